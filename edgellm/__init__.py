@@ -1,0 +1,54 @@
+"""edgellm: a Hugging Face or GGUF decoder LLM in, a lowered and verified ExecuTorch program out.
+
+    import edgellm
+    report = edgellm.export("path/to/hf-folder", backends="coreml,xnnpack", output="out")
+    print(edgellm.generate("out/model.pte", "The capital of France is", n=16))
+
+`import edgellm` is cheap: torch, ExecuTorch and the backend SDKs load when a function needs them.
+"""
+
+from __future__ import annotations
+
+from .errors import ConfigError, EdgeLLMError, InputError, VerificationError
+
+__all__ = ["export", "generate", "models", "EdgeLLMError", "InputError", "ConfigError",
+           "VerificationError"]
+
+
+def resolve_config(model=None, *, config=None, overrides=(), **options):
+    """An ExportConfig from a YAML file, `key=value` overrides, then explicit options (in that
+    order of precedence, lowest first). Options set to None are left to the file or defaults."""
+    from .config import apply_overrides, from_dict, load_yaml
+
+    data = load_yaml(config) if config else {}
+    data = apply_overrides(data, list(overrides))
+    data.update({k: v for k, v in options.items() if v is not None})
+    if model is not None:
+        data["model"] = str(model)
+    return from_dict(data)
+
+
+def export(model=None, *, config=None, overrides=(), quiet=False, **options) -> dict:
+    """Export `model` (HF folder, .gguf, or None for the embedded default). `options` are
+    ExportConfig fields (output, backends, max_seq_len, max_context_len, dtype, etrecord, force).
+    Returns the report, also written to OUTPUT/report.json."""
+    from .pipeline import export as run
+
+    return run(resolve_config(model, config=config, overrides=overrides, **options), quiet=quiet)
+
+
+def generate(pte, prompt: str, n: int = 32, tokenizer=None, on_text=None) -> str:
+    """Greedy completion of `prompt` by an exported program, through the ExecuTorch runtime."""
+    from .runtime import generate as run
+
+    return run(pte, prompt, n=n, tokenizer=tokenizer, on_text=on_text)
+
+
+def models() -> dict:
+    """Architectures and backends, and which combinations are supported."""
+    from .backends import BACKENDS
+    from .models import ARCHITECTURES
+
+    return {"architectures": dict(ARCHITECTURES),
+            "backends": {name: b.summary for name, b in BACKENDS.items()},
+            "supported": {arch: list(BACKENDS) for arch in ARCHITECTURES}}

@@ -1,0 +1,111 @@
+"""Backends as data: what each needs from the model and the exporter, and its partitioners.
+
+A backend is one file here that defines `BACKEND`. The pipeline reads the fields below and never
+branches on a backend's name. A chain (`coreml,xnnpack`) hands the partitioners to
+`to_edge_transform_and_lower` as one ordered list; the first backend chooses how the model is
+written (it receives the graph first), and shapes are static if any backend needs them static.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ..errors import BackendUnavailable, InputError
+
+
+@dataclass(frozen=True)
+class NoOptions:
+    """A backend without options of its own."""
+
+    def problems(self) -> list[str]:
+        return []
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    summary: str
+    dynamic_shapes: bool  # can forward take T in 1..max_seq_len, or only T=1
+    attention: str  # how the model writes attention: "custom_ops" (llama:: ops) or "sdpa"
+    norm: str  # how the model writes RMSNorm: see models.layers.RMSNorm
+    make_partitioners: Callable[[Any], list]  # options -> partitioners
+    state_write: str = "copy"  # how recurrent state (LFM2 conv) is written: "copy" or "index_put"
+    options: type = NoOptions  # frozen dataclass of this backend's options
+    requires: tuple[str, ...] = ()  # modules its SDK needs, checked before any heavy work
+    keeps_state_in_delegate: Callable[[Any], bool] = lambda options: False
+    delegate_inspector: Callable | None = None  # (lowered module, options) -> dict for the report
+
+    def check_available(self) -> None:
+        missing = [m for m in self.requires if importlib.util.find_spec(m) is None]
+        if missing:
+            raise BackendUnavailable(
+                f"Backend '{self.name}' needs {', '.join(missing)}, which is not installed. "
+                f"Install it (pip install {' '.join(missing)}) or choose another backend; "
+                "`edgellm models` lists them.")
+
+
+def _registry() -> dict[str, Backend]:
+    from . import coreml, portable, vulkan, xnnpack
+
+    return {b.name: b for b in (xnnpack.BACKEND, coreml.BACKEND, vulkan.BACKEND, portable.BACKEND)}
+
+
+BACKENDS = _registry()
+
+
+def get_backend(name: str) -> Backend:
+    try:
+        return BACKENDS[name]
+    except KeyError:
+        raise InputError(f"Unknown backend '{name}'. Supported: {', '.join(BACKENDS)}. "
+                         "Run `edgellm models` to see every architecture and backend.") from None
+
+
+def check_chain(names) -> list[str]:
+    """Problems with an ordered chain of backend names (empty when it makes sense)."""
+    names = list(names)
+    if not names:
+        return ["backends: give at least one backend, e.g. xnnpack"]
+    unknown = [n for n in names if n not in BACKENDS]
+    if unknown:
+        return [f"backends: unknown backend(s) {', '.join(map(repr, unknown))}; "
+                f"supported: {', '.join(BACKENDS)}"]
+    out = []
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        out.append(f"backends: {', '.join(dupes)} listed more than once in {','.join(names)}")
+    undelegated = [n for n in names if not BACKENDS[n].requires]
+    if undelegated and len(names) > 1:
+        out.append(f"backends: '{undelegated[0]}' means no delegate and cannot be chained with "
+                   f"others ({','.join(names)}); use it alone")
+    return out
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a chain of backends asks of the model and the exporter."""
+
+    backends: tuple[Backend, ...]
+    options: tuple[Any, ...]
+
+    @property
+    def dynamic_shapes(self) -> bool:
+        return all(b.dynamic_shapes for b in self.backends)
+
+    def model_options(self, max_context_len: int):
+        from ..models.layers import ModelOptions
+
+        first = self.backends[0]
+        return ModelOptions(max_context_len, first.attention, first.norm, first.state_write)
+
+    def partitioners(self) -> list:
+        return [p for b, o in zip(self.backends, self.options) for p in b.make_partitioners(o)]
+
+
+def plan_for(config) -> Plan:
+    backends = tuple(get_backend(n) for n in config.backends)
+    for b in backends:
+        b.check_available()
+    return Plan(backends, tuple(config.options_for(b.name) for b in backends))

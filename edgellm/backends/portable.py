@@ -1,0 +1,12 @@
+"""No delegate: ExecuTorch's portable kernels run every op. The baseline and the debugging aid."""
+
+from . import Backend
+
+BACKEND = Backend(
+    name="portable",
+    summary="no delegate: ExecuTorch portable kernels (slow; for checking)",
+    dynamic_shapes=True,
+    attention="sdpa",
+    norm="mean",
+    make_partitioners=lambda options: [],
+)

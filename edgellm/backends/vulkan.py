@@ -1,0 +1,26 @@
+"""Vulkan, ExecuTorch's GPU backend for Android. Shapes are static (one token per call).
+
+Programs can be built on Linux but not run here: the Linux ExecuTorch wheel has no Vulkan runtime.
+"""
+
+from . import Backend
+
+
+def _partitioners(options) -> list:
+    from executorch.backends.vulkan.partitioner.vulkan_partitioner import VulkanPartitioner
+
+    return [VulkanPartitioner()]
+
+
+BACKEND = Backend(
+    name="vulkan",
+    summary="Android GPUs through Vulkan; static shapes; builds here, runs on device",
+    dynamic_shapes=False,
+    attention="sdpa",
+    norm="mean",
+    make_partitioners=_partitioners,
+    # The Vulkan partitioner takes over any buffer whose users all sit in its delegate; a conv
+    # state written by copy_ then loses its buffer (SpecViolationError). index_put_ stays outside.
+    state_write="index_put",
+    requires=("executorch.backends.vulkan.partitioner",),
+)

@@ -1,0 +1,130 @@
+"""The `edgellm` command: thin shells over the Python API, with the same names.
+
+Exit codes: 0 success, 1 verification failed, 2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .errors import EdgeLLMError
+
+
+def _export_parser(sub):
+    p = sub.add_parser("export", help="export a model to an ExecuTorch program",
+                       description="Export MODEL (a Hugging Face folder or .gguf file; the "
+                       "embedded SmolLM2-135M when omitted). Arguments of the form key=value "
+                       "override config fields (a leading '+' is accepted), e.g. "
+                       "coreml.min_ios=17.")
+    p.add_argument("args", nargs="*", metavar="MODEL|key=value")
+    p.add_argument("--config", help="YAML config file; `OUT/config.yaml` replays an export")
+    p.add_argument("--backend", dest="backends", help="backend or chain, e.g. xnnpack, "
+                   "coreml,xnnpack (default xnnpack)")
+    p.add_argument("-o", "--output", help="output folder (default edgellm-out)")
+    p.add_argument("--max-seq-len", type=int, help="longest prompt chunk one call takes")
+    p.add_argument("--max-context-len", type=int, help="KV cache length (default max-seq-len)")
+    p.add_argument("--dtype", choices=("fp32", "fp16", "bf16"))
+    p.add_argument("--etrecord", action="store_true", default=None,
+                   help="also write etrecord.bin for ExecuTorch's devtools")
+    p.add_argument("--force", action="store_true", default=None,
+                   help="replace an existing output folder")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+
+
+def cmd_export(a) -> int:
+    from . import export
+    from .report import summary
+
+    models = [x for x in a.args if "=" not in x]
+    overrides = [x for x in a.args if "=" in x]
+    if len(models) > 1:
+        raise_input(f"give at most one MODEL, got {len(models)}: {' '.join(models)}")
+    report = export(models[0] if models else None, config=a.config, overrides=overrides,
+                    quiet=a.quiet or a.json, output=a.output, backends=a.backends,
+                    max_seq_len=a.max_seq_len, max_context_len=a.max_context_len,
+                    dtype=a.dtype, etrecord=a.etrecord, force=a.force)
+    print(json.dumps(report) if a.json else summary(report))
+    return 0
+
+
+def cmd_generate(a) -> int:
+    from . import generate
+
+    def show(text):
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    generate(a.pte, a.prompt, n=a.n, tokenizer=a.tokenizer, on_text=show)
+    sys.stdout.write("\n")
+    return 0
+
+
+def cmd_models(a) -> int:
+    from . import models
+
+    info = models()
+    print("architectures (Hugging Face model_type):")
+    for name, text in info["architectures"].items():
+        print(f"  {name:<10} {text}")
+    print("backends (chain them in order, e.g. coreml,xnnpack):")
+    for name, text in info["backends"].items():
+        print(f"  {name:<10} {text}")
+    print("every architecture exports to every backend and chain.")
+    return 0
+
+
+def quiet_libraries() -> None:
+    """Keep the terminal to edgellm's own lines: the libraries below warn about their own internals
+    (deprecations inside torch and coremltools, optional torchao kernels for GPUs). Lowering still
+    counts deprecation warnings for the report; --debug shows everything."""
+    import logging
+    import warnings
+
+    warnings.simplefilter("ignore")
+    for name in ("torchao", "torch.utils._pytree", "coremltools",
+                 "executorch.backends.apple.coreml.compiler.coreml_preprocess"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def raise_input(msg: str):
+    from .errors import InputError
+
+    raise InputError(msg)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="edgellm", description=__doc__.splitlines()[0])
+    parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _export_parser(sub)
+    g = sub.add_parser("generate", help="greedy text generation from an exported program")
+    g.add_argument("pte")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("-n", type=int, default=32, help="tokens to generate (default 32)")
+    g.add_argument("--tokenizer", help="tokenizer.json (default: beside the program)")
+    sub.add_parser("models", help="architectures, backends and supported combinations")
+    a, extra = parser.parse_known_args(argv)
+    if a.command == "export" and not any(x.startswith("-") for x in extra):
+        a.args += extra  # MODEL and key=value may come after the options too
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if not a.debug:
+        quiet_libraries()
+    run = {"export": cmd_export, "generate": cmd_generate, "models": cmd_models}[a.command]
+    try:
+        return run(a)
+    except EdgeLLMError as e:
+        if a.debug:
+            raise
+        print(f"edgellm: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("edgellm: interrupted; nothing was written to the output folder", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

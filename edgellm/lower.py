@@ -1,0 +1,103 @@
+"""The one lowering path: `to_edge_transform_and_lower` for any ordered chain of backends.
+
+Every backend's partitioners go in as one list, so each partitioner's `ops_to_not_decompose` is
+honoured (the `to_edge` + `to_backend` split decomposes those ops first, and breaks on mutable
+buffers). Deprecation warnings raised while lowering are counted for the report.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import warnings
+from dataclasses import dataclass, field
+
+from torch.export import ExportedProgram
+
+DEPRECATION_CATEGORIES = (DeprecationWarning, PendingDeprecationWarning, FutureWarning)
+
+
+@dataclass
+class Lowered:
+    edge: object  # EdgeProgramManager, after lowering
+    program: object  # ExecutorchProgramManager
+    delegation: dict  # method -> delegation figures, taken before to_executorch rewrites the graph
+    preserved: list[dict] = field(default_factory=list)  # per partitioner: ops kept whole, and fate
+    deprecations: list[str] = field(default_factory=list)  # logged deprecation warnings
+    python_deprecations: list[str] = field(default_factory=list)  # warnings-module ones, distinct
+
+
+class _DeprecationLog(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        text = record.getMessage()
+        if "deprecat" in text.lower():
+            self.messages.append(f"{record.name}: {text}")
+
+
+@contextlib.contextmanager
+def count_deprecations(logged: list[str], python: list[str]):
+    """Collect deprecation warnings raised inside the block: those logged through `logging` (how
+    ExecuTorch reports a deprecated workflow) into `logged`, and distinct warnings-module ones
+    (mostly from inside coremltools and torch) into `python`."""
+    handler = _DeprecationLog()
+    root = logging.getLogger()
+    root.addHandler(handler)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield
+    finally:
+        root.removeHandler(handler)
+    logged.extend(handler.messages)
+    for w in caught:
+        msg = f"{w.category.__name__}: {w.message}"
+        if issubclass(w.category, DEPRECATION_CATEGORIES) and msg not in python:
+            python.append(msg)
+
+
+def record_preserved(partitioners: list) -> list[dict]:
+    """Wrap each partitioner's `ops_to_not_decompose` so the ops it asks to keep whole, as
+    answered inside the lowering call on the functionalized graph, are recorded for the report."""
+    records = []
+    for p in partitioners:
+        entry = {"partitioner": type(p).__name__, "ops": []}
+        records.append(entry)
+
+        def recording(ep, _inner=p.ops_to_not_decompose, _entry=entry):
+            keep, check = _inner(ep)
+            _entry["ops"] = sorted(set(_entry["ops"]) | {str(op) for op in keep})
+            return keep, check
+
+        p.ops_to_not_decompose = recording
+    return records
+
+
+def lower(programs: dict[str, ExportedProgram], partitioners: list, constant_methods: dict,
+          etrecord: bool) -> Lowered:
+    from executorch.exir import (EdgeCompileConfig, ExecutorchBackendConfig,
+                                 to_edge_transform_and_lower)
+    from executorch.exir.passes.sym_shape_eval_pass import ConstraintBasedSymShapeEvalPass
+
+    from .report import delegation, op_histogram, preserved_report
+
+    ops_before = op_histogram(programs)
+    logged: list[str] = []
+    python: list[str] = []
+    preserved = record_preserved(partitioners)
+    with count_deprecations(logged, python):
+        edge = to_edge_transform_and_lower(
+            programs, partitioner=partitioners or None, constant_methods=constant_methods,
+            # llama:: custom ops are not core ATen; ExecuTorch's own LLM export skips this check too
+            compile_config=EdgeCompileConfig(_check_ir_validity=False),
+            generate_etrecord=etrecord)
+    figures = {name: delegation(edge.exported_program(name).graph_module) for name in programs}
+    fates = preserved_report(preserved, ops_before, edge)
+    # Plan memory for the largest T the program accepts, not for the example input's T.
+    program = edge.to_executorch(ExecutorchBackendConfig(
+        sym_shape_eval_pass=ConstraintBasedSymShapeEvalPass()))
+    return Lowered(edge=edge, program=program, delegation=figures, preserved=fates,
+                   deprecations=logged, python_deprecations=python)

@@ -1,0 +1,186 @@
+"""LFM2 and LFM2.5 (transformers `model_type: lfm2`): short-conv blocks and attention blocks.
+
+Same math and parameter names as transformers' Lfm2ForCausalLM. Differences:
+- The short conv keeps its state as a (1, hidden, L_cache-1) mutable buffer: each call convolves
+  [state, B*x] without padding and keeps the last L_cache-1 columns, so prefill and decode are one
+  code path. The state is zeroed when a call starts a sequence (input_pos == 0).
+- `in_proj` is split at load time into B, C and x projections (one place: `_split_in_proj`):
+  a split of the fused output breaks XNNPACK graphs (split_with_sizes has no XNNPACK config).
+- A static KV cache per attention layer; only the last token's logits are computed.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .layers import KVCache, ModelOptions, RMSNorm, Rope, make_step
+
+
+def check(cfg) -> list[str]:
+    out = []
+    kinds = list(cfg.layer_types or [])
+    if len(kinds) != cfg.num_hidden_layers:
+        out.append(f"layer_types has {len(kinds)} entries but num_hidden_layers is "
+                   f"{cfg.num_hidden_layers}")
+    odd = sorted({k for k in kinds if k not in ("conv", "full_attention")})
+    if odd:
+        out.append(f"layer_types holds {odd}; known kinds are 'conv' and 'full_attention'")
+    if cfg.num_attention_heads % cfg.num_key_value_heads:
+        out.append(f"num_attention_heads {cfg.num_attention_heads} is not a multiple of "
+                   f"num_key_value_heads {cfg.num_key_value_heads}")
+    return out
+
+
+def ffn_width(cfg) -> int:
+    width = cfg.intermediate_size
+    if cfg.block_auto_adjust_ff_dim:
+        width = int(2 * width / 3)
+        if cfg.block_ffn_dim_multiplier is not None:
+            width = int(cfg.block_ffn_dim_multiplier * width)
+            m = cfg.block_multiple_of
+            width = m * ((width + m - 1) // m)
+    return width
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg, opts: ModelOptions, dtype):
+        super().__init__()
+        self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = cfg.hidden_size // self.n_heads
+        hd = self.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * hd, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * hd, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * hd, bias=False)
+        self.out_proj = nn.Linear(self.n_heads * hd, cfg.hidden_size, bias=False)
+        self.q_layernorm = RMSNorm(hd, cfg.norm_eps, opts.norm)
+        self.k_layernorm = RMSNorm(hd, cfg.norm_eps, opts.norm)
+        with torch.device("cpu"):
+            self.cache = KVCache(self.n_heads, self.n_kv, hd, opts, dtype)
+
+    def forward(self, x, rope: Rope, cos, sin, step):
+        T = x.shape[1]
+        q = self.q_layernorm(self.q_proj(x).view(1, T, self.n_heads, self.head_dim))
+        k = self.k_layernorm(self.k_proj(x).view(1, T, self.n_kv, self.head_dim))
+        v = self.v_proj(x).view(1, T, self.n_kv, self.head_dim)  # (1, T, n_kv, D)
+        q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
+        return self.out_proj(self.cache(q, k, v, step))
+
+
+class ShortConv(nn.Module):
+    def __init__(self, cfg, opts: ModelOptions, dtype):
+        super().__init__()
+        d, L, bias = cfg.hidden_size, cfg.conv_L_cache, cfg.conv_bias
+        self.state_write = opts.state_write
+        self.b_proj = nn.Linear(d, d, bias=bias)
+        self.c_proj = nn.Linear(d, d, bias=bias)
+        self.x_proj = nn.Linear(d, d, bias=bias)
+        self.conv = nn.Conv1d(d, d, kernel_size=L, groups=d, bias=bias)
+        self.out_proj = nn.Linear(d, d, bias=bias)
+        self.register_buffer("conv_state", torch.zeros(1, d, L - 1, dtype=dtype, device="cpu"),
+                             persistent=False)
+        self.register_buffer("state_cols", torch.arange(L - 1, device="cpu"), persistent=False)
+
+    def forward(self, x, step):
+        bx = (self.b_proj(x) * self.x_proj(x)).transpose(1, 2)  # (1, D, T)
+        state = self.conv_state * (1.0 - step.fresh).to(x.dtype)
+        window = torch.cat([state, bx], dim=-1)  # (1, D, L-1+T)
+        new_state = window[:, :, -self.conv_state.shape[-1]:]
+        if self.state_write == "index_put":
+            self.conv_state[:, :, self.state_cols] = new_state
+        else:
+            self.conv_state.copy_(new_state)
+        y = F.conv1d(window, self.conv.weight, self.conv.bias, groups=window.shape[1])
+        return self.out_proj(self.c_proj(x) * y.transpose(1, 2))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        width = ffn_width(cfg)
+        self.w1 = nn.Linear(cfg.hidden_size, width, bias=False)
+        self.w3 = nn.Linear(cfg.hidden_size, width, bias=False)
+        self.w2 = nn.Linear(width, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg, kind: str, opts: ModelOptions, dtype):
+        super().__init__()
+        self.is_attention = kind != "conv"
+        if self.is_attention:
+            self.self_attn = Attention(cfg, opts, dtype)
+        else:
+            self.conv = ShortConv(cfg, opts, dtype)
+        self.feed_forward = MLP(cfg)
+        self.operator_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, opts.norm)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, opts.norm)
+
+    def forward(self, x, rope, cos, sin, step):
+        h = self.operator_norm(x)
+        h = self.self_attn(h, rope, cos, sin, step) if self.is_attention else self.conv(h, step)
+        x = x + h
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg, opts: ModelOptions, dtype):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, kind, opts, dtype)
+                                    for kind in cfg.layer_types)
+        self.embedding_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, opts.norm)
+
+
+class Lfm2ForCausalLM(nn.Module):
+    def __init__(self, cfg, opts: ModelOptions, dtype):
+        super().__init__()
+        from transformers.models.lfm2.modeling_lfm2 import Lfm2RotaryEmbedding
+
+        self.opts, self.hidden = opts, cfg.hidden_size
+        self.model = Backbone(cfg, opts, dtype)
+        with torch.device("cpu"):
+            hf_rope = Lfm2RotaryEmbedding(cfg)
+            self.rope = Rope(hf_rope.inv_freq, hf_rope.attention_scaling, opts.max_context_len)
+        self.state_dict_hooks = (self._split_in_proj, self._drop_tied_head)
+
+    def _split_in_proj(self, sd: dict) -> None:
+        """HF's fused conv.in_proj (3*hidden rows: B, C, x) -> b_proj, c_proj, x_proj."""
+        for key in [k for k in sd if k.endswith(".conv.in_proj.weight")
+                    or k.endswith(".conv.in_proj.bias")]:
+            prefix, leaf = key.rsplit(".in_proj.", 1)
+            tensor = sd.pop(key)
+            if tensor.shape[0] != 3 * self.hidden:
+                raise_shape(key, tensor, 3 * self.hidden)
+            for name, part in zip(("b_proj", "c_proj", "x_proj"), tensor.chunk(3, dim=0)):
+                sd[f"{prefix}.{name}.{leaf}"] = part
+
+    @staticmethod
+    def _drop_tied_head(sd: dict) -> None:
+        sd.pop("lm_head.weight", None)  # LFM2 always ties the head to embed_tokens
+
+    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+        step = make_step(input_pos, tokens.shape[1], self.opts)
+        x = self.model.embed_tokens(tokens)  # (1, T, hidden)
+        cos, sin = self.rope.tables(step.positions, x.dtype)
+        cos, sin = cos[None, :, None, :], sin[None, :, None, :]  # (1, T, 1, D)
+        for layer in self.model.layers:
+            x = layer(x, self.rope, cos, sin, step)
+        x = self.model.embedding_norm(x[:, -1, :])  # (1, hidden)
+        return F.linear(x, self.model.embed_tokens.weight)
+
+
+def raise_shape(key, tensor, rows):
+    from ..errors import InputError
+
+    raise InputError(f"Checkpoint tensor {key} has shape {tuple(tensor.shape)}; expected "
+                     f"{rows} rows (B, C and x for hidden_size {rows // 3}). Check that the "
+                     "weights and config.json come from the same model.")
+
+
+def build(cfg, opts: ModelOptions, dtype) -> Lfm2ForCausalLM:
+    with torch.device("meta"):
+        return Lfm2ForCausalLM(cfg, opts, dtype)

@@ -1,0 +1,123 @@
+"""Llama 3.x and SmolLM2 (transformers `model_type: llama`), written for export.
+
+Same math and parameter names as transformers' LlamaForCausalLM; rotary frequencies (including
+Llama 3 rope scaling) come from transformers itself. Differences: a static KV cache per layer,
+and only the last token's logits are computed.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .layers import KVCache, ModelOptions, RMSNorm, Rope, make_step
+
+
+def check(cfg) -> list[str]:
+    out = []
+    if cfg.num_attention_heads % cfg.num_key_value_heads:
+        out.append(f"num_attention_heads {cfg.num_attention_heads} is not a multiple of "
+                   f"num_key_value_heads {cfg.num_key_value_heads}")
+    return out
+
+
+def head_dim(cfg) -> int:
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+def rope_for(cfg, opts: ModelOptions) -> Rope:
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    with torch.device("cpu"):
+        hf_rope = LlamaRotaryEmbedding(cfg)
+        return Rope(hf_rope.inv_freq, hf_rope.attention_scaling, opts.max_context_len)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg, opts: ModelOptions, dtype):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = (cfg.num_attention_heads,
+                                                  cfg.num_key_value_heads, head_dim(cfg))
+        bias = getattr(cfg, "attention_bias", False)
+        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=bias)
+        with torch.device("cpu"):
+            self.cache = KVCache(self.n_heads, self.n_kv, self.head_dim, opts, dtype)
+
+    def forward(self, x, rope: Rope, cos, sin, step):
+        T = x.shape[1]
+        q = self.q_proj(x).view(1, T, self.n_heads, self.head_dim)  # (1, T, H, D)
+        k = self.k_proj(x).view(1, T, self.n_kv, self.head_dim)
+        v = self.v_proj(x).view(1, T, self.n_kv, self.head_dim)
+        q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
+        return self.o_proj(self.cache(q, k, v, step))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        bias = getattr(cfg, "mlp_bias", False)
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg, opts: ModelOptions, dtype):
+        super().__init__()
+        self.self_attn = Attention(cfg, opts, dtype)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, opts.norm)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, opts.norm)
+
+    def forward(self, x, rope, cos, sin, step):
+        x = x + self.self_attn(self.input_layernorm(x), rope, cos, sin, step)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg, opts: ModelOptions, dtype):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, opts, dtype)
+                                    for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, opts.norm)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg, opts: ModelOptions, dtype):
+        super().__init__()
+        self.opts = opts
+        self.model = Backbone(cfg, opts, dtype)
+        self.rope = rope_for(cfg, opts)
+        self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
+        if not self.tied:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.state_dict_hooks = (self._drop_tied_head,)
+
+    def _drop_tied_head(self, sd: dict) -> None:
+        # Tied checkpoints may or may not store lm_head.weight; it is embed_tokens.weight either way.
+        if self.tied:
+            sd.pop("lm_head.weight", None)
+
+    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+        step = make_step(input_pos, tokens.shape[1], self.opts)
+        x = self.model.embed_tokens(tokens)  # (1, T, hidden)
+        cos, sin = self.rope.tables(step.positions, x.dtype)
+        cos, sin = cos[None, :, None, :], sin[None, :, None, :]  # (1, T, 1, D)
+        for layer in self.model.layers:
+            x = layer(x, self.rope, cos, sin, step)
+        x = self.model.norm(x[:, -1, :])  # (1, hidden)
+        head = self.model.embed_tokens.weight if self.tied else self.lm_head.weight
+        return F.linear(x, head)
+
+
+def build(cfg, opts: ModelOptions, dtype) -> LlamaForCausalLM:
+    with torch.device("meta"):
+        return LlamaForCausalLM(cfg, opts, dtype)

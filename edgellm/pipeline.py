@@ -1,0 +1,138 @@
+"""The export job: source -> model -> torch.export -> lower -> files, one stage after another.
+
+Outputs are written into a temporary folder beside the destination and moved into place only when
+everything is written, so a failed or interrupted export leaves nothing half-written behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from . import report as reports
+from .backends import plan_for
+from .config import ExportConfig, dump_yaml
+from .errors import InputError
+from .progress import Stages, peak_rss_mb
+
+TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def check_destination(dest: Path, force: bool) -> None:
+    if dest.exists() and not force:
+        raise InputError(f"Output folder {dest} already exists. Pass --force to replace it, or "
+                         "choose another folder with -o.")
+    if dest.exists() and not dest.is_dir():
+        raise InputError(f"Output path {dest} exists and is not a folder. Choose another with -o.")
+    parent = dest.parent if str(dest.parent) else Path(".")
+    if not parent.is_dir():
+        raise InputError(f"Cannot write {dest}: its parent folder {parent} does not exist.")
+    if not os.access(parent, os.W_OK):
+        raise InputError(f"Cannot write {dest}: its parent folder {parent} is not writable.")
+
+
+@contextlib.contextmanager
+def staging(dest: Path, force: bool):
+    """Yield a temporary folder beside `dest`; move it into place when the block succeeds."""
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-", dir=dest.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the result is an ordinary folder
+    try:
+        yield tmp
+        if dest.exists() and force:
+            old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old-", dir=dest.parent))
+            os.replace(dest, old / dest.name)
+            os.replace(tmp, dest)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def metadata(cfg: ExportConfig, source, model_cfg, dynamic: bool) -> dict:
+    """Constant methods ExecuTorch's LLM runner reads (see extension/llm/runner)."""
+    meta = {"get_max_seq_len": cfg.max_seq_len, "get_max_context_len": cfg.context_len,
+            "get_vocab_size": model_cfg.vocab_size, "get_n_layers": model_cfg.num_hidden_layers,
+            "use_kv_cache": True, "use_sdpa_with_kv_cache": False,
+            "enable_dynamic_shape": dynamic}
+    if source.bos_id is not None:
+        meta["get_bos_id"] = int(source.bos_id)
+    if source.eos_ids:
+        meta["get_eos_ids"] = [int(i) for i in source.eos_ids]
+    return meta
+
+
+def export(cfg: ExportConfig, quiet: bool = False) -> dict:
+    """Run one export as configured; returns the report (also written as report.json)."""
+    from .export import export_forward
+    from .lower import lower
+    from .models import build_model
+    from .sources import load_source
+
+    dest = Path(cfg.output)
+    check_destination(dest, cfg.force)
+    plan = plan_for(cfg)  # refuses unavailable backends before any heavy work
+    stages = Stages(quiet=quiet)
+    with staging(dest, cfg.force) as tmp:
+        with stages.stage("load"):
+            source = load_source(cfg.model)
+        with stages.stage("build"):
+            opts = plan.model_options(cfg.context_len)
+            model = build_model(source.hf_config, source.state_dict, opts,
+                                TORCH_DTYPES[cfg.dtype])
+            source.state_dict = {}  # the model holds the tensors now
+        with stages.stage("export"):
+            programs = {"forward": export_forward(model, cfg.max_seq_len, plan.dynamic_shapes)}
+            del model
+        with stages.stage("lower"):
+            meta = metadata(cfg, source, source.hf_config, plan.dynamic_shapes)
+            lowered = lower(programs, plan.partitioners(), meta, cfg.etrecord)
+            del programs
+        with stages.stage("serialize"):
+            files = write_outputs(tmp, cfg, source, lowered)
+        rep = build_report(cfg, plan, source, lowered, stages, files)
+        rep["pte_bytes"] = (tmp / "model.pte").stat().st_size
+        reports.write(rep, tmp)
+    return rep
+
+
+def write_outputs(folder: Path, cfg: ExportConfig, source, lowered) -> dict:
+    with open(folder / "model.pte", "wb") as f:
+        lowered.program.write_to_file(f)
+    files = {"program": "model.pte", "config": "config.yaml"}
+    (folder / "config.yaml").write_text(dump_yaml(dataclasses.replace(cfg, model=source.origin)))
+    if source.write_tokenizer(folder):
+        files["tokenizer"] = "tokenizer.json"
+    if cfg.etrecord:
+        lowered.program.get_etrecord().save(str(folder / "etrecord.bin"))
+        if not (folder / "etrecord.bin").is_file():
+            raise RuntimeError("ETRecord was requested but etrecord.bin was not written")
+        files["etrecord"] = "etrecord.bin"
+    return files
+
+
+def build_report(cfg, plan, source, lowered, stages: Stages, files: dict) -> dict:
+    hf = source.hf_config
+    methods = {name: {"delegation": figures} for name, figures in lowered.delegation.items()}
+    return {
+        "backends": list(cfg.backends),
+        "model": {"origin": source.origin, "model_type": hf.model_type,
+                  "n_layers": hf.num_hidden_layers, "vocab_size": hf.vocab_size},
+        "dtype": cfg.dtype, "max_seq_len": cfg.max_seq_len, "max_context_len": cfg.context_len,
+        "dynamic_shapes": plan.dynamic_shapes,
+        "methods": methods,
+        "preserved_ops": lowered.preserved,
+        "deprecation_warnings": len(lowered.deprecations),
+        "deprecation_messages": lowered.deprecations,
+        "python_deprecation_warnings": lowered.python_deprecations,
+        "files": files,
+        "wall_s": stages.wall_s, "peak_rss_mb": peak_rss_mb(), "stages": stages.records,
+    }

@@ -1,0 +1,36 @@
+"""Stages of long work: each prints one line with its wall time and the process's peak RSS when it
+ends, and the same figures go into the report."""
+
+from __future__ import annotations
+
+import contextlib
+import resource
+import sys
+import time
+
+
+def peak_rss_mb() -> float:
+    # ru_maxrss is in KiB on Linux
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+
+
+class Stages:
+    def __init__(self, quiet: bool = False, stream=None):
+        self.quiet, self.stream = quiet, stream or sys.stderr
+        self.records: list[dict] = []
+        self.started = time.perf_counter()
+
+    @contextlib.contextmanager
+    def stage(self, name: str):
+        t0 = time.perf_counter()
+        yield
+        rec = {"name": name, "wall_s": round(time.perf_counter() - t0, 3),
+               "peak_rss_mb": peak_rss_mb()}
+        self.records.append(rec)
+        if not self.quiet:
+            print(f"[edgellm] {name:<10} {rec['wall_s']:8.1f} s   peak RSS {rec['peak_rss_mb']:8.0f} MB",
+                  file=self.stream, flush=True)
+
+    @property
+    def wall_s(self) -> float:
+        return round(time.perf_counter() - self.started, 3)

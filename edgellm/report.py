@@ -1,0 +1,120 @@
+"""What an export produced, as report.json and report.md: delegation per method (from ExecuTorch's
+`get_delegation_info`), preserved ops and whether they reached a delegate intact, deprecation
+warnings, size, time and memory per stage."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+NOT_COMPUTE = ("getitem",)  # get_delegation_info lists no placeholders or outputs
+
+
+def delegates(graph_module):
+    """The lowered backend modules called by a graph, in order."""
+    for node in graph_module.graph.nodes:
+        if node.op == "get_attr" and node.name.startswith("lowered_module_"):
+            yield getattr(graph_module, node.target)
+
+
+def delegation(graph_module) -> dict:
+    from executorch.devtools.backend_debug import get_delegation_info
+
+    info = get_delegation_info(graph_module)
+    by_op = {op: {"delegated": b.delegated, "non_delegated": b.non_delegated}
+             for op, b in sorted(info.delegation_by_operator.items())}
+    compute = sum(v["non_delegated"] for op, v in by_op.items() if op not in NOT_COMPUTE)
+    per_backend = Counter(m.backend_id for m in delegates(graph_module))
+    return {"subgraphs": info.num_delegated_subgraphs,
+            "delegated_nodes": info.num_delegated_nodes,
+            "non_delegated_nodes": info.num_non_delegated_nodes,
+            "non_delegated_compute_nodes": compute,
+            "subgraphs_by_backend": dict(per_backend),
+            "by_op": by_op}
+
+
+def op_name(target) -> str:
+    """'aten.index_put.default' for aten.index_put_.default and for its edge-dialect op alike."""
+    name = str(getattr(target, "_op", target))  # edge ops wrap the ATen op they stand for
+    ns, _, rest = name.partition(".")
+    base, dot, overload = rest.partition(".")
+    return f"{ns}.{base.rstrip('_')}{dot}{overload}" if rest else name
+
+
+def _op_counts(graph_module) -> Counter:
+    return Counter(op_name(n.target) for n in graph_module.graph.nodes if n.op == "call_function")
+
+
+def op_histogram(programs: dict) -> Counter:
+    """Ops of the exported programs, before lowering (which may rewrite them in place)."""
+    out = Counter()
+    for ep in programs.values():
+        out.update(_op_counts(ep.graph_module))
+    return out
+
+
+def preserved_report(preserved: list[dict], before: Counter, edge) -> list[dict]:
+    """For each op a partitioner asked to keep whole: how often the exported program had it and how
+    often it arrived intact inside a delegate."""
+    inside = Counter()
+    for name in edge.methods:
+        for lowered in delegates(edge.exported_program(name).graph_module):
+            inside.update(_op_counts(lowered.original_module.graph_module))
+    out = []
+    for entry in preserved:
+        ops = []
+        for op in sorted({op_name(o) for o in entry["ops"]}):
+            n_before, n_inside = before.get(op, 0), inside.get(op, 0)
+            status = ("absent" if n_before == 0 else
+                      "intact" if n_inside >= n_before else "decomposed or not delegated")
+            ops.append({"op": op, "in_program": n_before, "in_delegates": n_inside,
+                        "status": status})
+        out.append({"partitioner": entry["partitioner"], "ops": ops})
+    return out
+
+
+def write(report: dict, folder: Path) -> None:
+    (folder / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    (folder / "report.md").write_text(markdown(report))
+
+
+def markdown(r: dict) -> str:
+    lines = [f"# edgellm export: {r['model']['origin']}", "",
+             f"- backends: {', '.join(r['backends'])}",
+             f"- architecture: {r['model']['model_type']}, {r['model']['n_layers']} layers, "
+             f"vocab {r['model']['vocab_size']}, dtype {r['dtype']}",
+             f"- program: {r['pte_bytes'] / 1e6:.1f} MB, max_seq_len {r['max_seq_len']}, "
+             f"max_context_len {r['max_context_len']}, dynamic shapes {r['dynamic_shapes']}",
+             f"- export: {r['wall_s']:.1f} s, peak RSS {r['peak_rss_mb']:.0f} MB",
+             f"- deprecation warnings while lowering: {r['deprecation_warnings']}", ""]
+    lines += ["| method | subgraphs | delegated nodes | non-delegated | non-delegated compute |",
+              "|---|---|---|---|---|"]
+    for name, m in r["methods"].items():
+        d = m["delegation"]
+        lines.append(f"| {name} | {d['subgraphs']} | {d['delegated_nodes']} | "
+                     f"{d['non_delegated_nodes']} | {d['non_delegated_compute_nodes']} |")
+    lines += ["", "| stage | wall s | peak RSS MB |", "|---|---|---|"]
+    lines += [f"| {s['name']} | {s['wall_s']:.1f} | {s['peak_rss_mb']:.0f} |" for s in r["stages"]]
+    for entry in r["preserved_ops"]:
+        kept = [o for o in entry["ops"] if o["status"] != "absent"]
+        if kept:
+            lines += ["", f"Ops {entry['partitioner']} asked to keep whole, present in the program:"]
+            lines += [f"- {o['op']}: {o['status']} ({o['in_delegates']}/{o['in_program']})"
+                      for o in kept]
+    for name, m in r["methods"].items():
+        rest = {op: v["non_delegated"] for op, v in m["delegation"]["by_op"].items()
+                if v["non_delegated"] and op not in NOT_COMPUTE}
+        if rest:
+            lines += ["", f"Not delegated in {name}: " +
+                      ", ".join(f"{op} x{n}" for op, n in sorted(rest.items()))]
+    return "\n".join(lines) + "\n"
+
+
+def summary(r: dict) -> str:
+    d = r["methods"]["forward"]["delegation"]
+    return (f"{','.join(r['backends'])}: {r['pte_bytes'] / 1e6:.1f} MB, {d['subgraphs']} "
+            f"delegated subgraphs, {d['delegated_nodes']} delegated / "
+            f"{d['non_delegated_compute_nodes']} non-delegated compute nodes, "
+            f"{r['deprecation_warnings']} deprecation warnings, {r['wall_s']:.1f} s, "
+            f"peak RSS {r['peak_rss_mb']:.0f} MB")

@@ -1,0 +1,123 @@
+"""Running a .pte through the ExecuTorch runtime behind the same interface as the eager model:
+`forward(tokens[1, T], input_pos[1]) -> logits[1, V]`, plus greedy generation with streaming."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+
+from .errors import InputError
+
+METADATA = ("get_max_seq_len", "get_max_context_len", "get_vocab_size", "get_n_layers",
+            "get_bos_id", "get_eos_ids", "use_kv_cache", "enable_dynamic_shape")
+
+
+class Program:
+    """A loaded program. Custom LLM ops and quantized kernels are registered before loading."""
+
+    def __init__(self, path: str | Path):
+        import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401  llama:: kernels
+        import executorch.kernels.quantized  # noqa: F401  quantized_decomposed:: kernels
+        from executorch.runtime import Runtime
+
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise InputError(f"Program {self.path} does not exist. Export one with "
+                             "`edgellm export -o OUT` and pass OUT/model.pte.")
+        try:
+            self.program = Runtime.get().load_program(str(self.path))
+            self._forward = self.program.load_method("forward")
+        except (RuntimeError, ValueError) as e:
+            raise InputError(f"Cannot load {self.path} with this machine's ExecuTorch runtime "
+                             f"({e}). Programs delegated to Core ML or Vulkan build on Linux "
+                             "but run only on their devices.") from None
+        names = self.program.method_names
+        self.meta = {m: self._constant(m) for m in METADATA if m in names}
+
+    def _constant(self, name: str):
+        out = self.program.load_method(name).execute([])
+        return list(out) if name == "get_eos_ids" else out[0]
+
+    @property
+    def max_seq_len(self) -> int:
+        return int(self.meta["get_max_seq_len"])
+
+    @property
+    def max_context_len(self) -> int:
+        return int(self.meta.get("get_max_context_len", self.max_seq_len))
+
+    @property
+    def dynamic(self) -> bool:
+        return bool(self.meta.get("enable_dynamic_shape", False))
+
+    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+        return self._forward.execute([tokens, input_pos])[0]
+
+    def prefill(self, ids: list[int], start: int = 0) -> torch.Tensor:
+        """Logits after `ids`, fed in one call when T is dynamic, else one token per call."""
+        step = self.max_seq_len if self.dynamic else 1
+        logits = None
+        for i in range(0, len(ids), step):
+            chunk = torch.tensor([ids[i:i + step]], dtype=torch.long)
+            logits = self.forward(chunk, torch.tensor([start + i], dtype=torch.long))
+        return logits
+
+
+def greedy(step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+           prefill: Callable[[list[int]], torch.Tensor], ids: list[int], n: int,
+           eos: set[int]) -> Iterator[int]:
+    """Yield up to `n` greedy tokens after prompt `ids`, stopping after an end-of-sequence token."""
+    logits = prefill(ids)
+    pos = len(ids)
+    for _ in range(n):
+        tok = int(logits[0].argmax())
+        yield tok
+        if tok in eos:
+            return
+        logits = step(torch.tensor([[tok]], dtype=torch.long), torch.tensor([pos]))
+        pos += 1
+
+
+def load_tokenizer(path: Path):
+    from tokenizers import Tokenizer
+
+    file = path / "tokenizer.json" if path.is_dir() else path
+    if not file.is_file():
+        raise InputError(f"No tokenizer at {file}. Pass --tokenizer PATH/tokenizer.json; an "
+                         "export writes one beside model.pte when the model folder has one.")
+    try:
+        return Tokenizer.from_file(str(file))
+    except Exception as e:  # tokenizers raises a bare Exception for malformed files
+        raise InputError(f"{file} is not a readable tokenizer.json ({e}).") from None
+
+
+def generate(pte: str | Path, prompt: str, n: int = 32, tokenizer: str | Path | None = None,
+             on_text: Callable[[str], None] | None = None) -> str:
+    """Greedy completion of `prompt` by the program; `on_text` receives the text as it grows."""
+    program = Program(pte)
+    tok = load_tokenizer(Path(tokenizer) if tokenizer else program.path.parent)
+    ids = tok.encode(prompt).ids
+    if not ids:
+        raise InputError("The prompt is empty after tokenization; give some text with --prompt.")
+    if len(ids) > program.max_seq_len:
+        raise InputError(f"The prompt is {len(ids)} tokens; this program takes at most "
+                         f"max_seq_len={program.max_seq_len}. Shorten the prompt or export with "
+                         "a larger --max-seq-len.")
+    n = min(n, program.max_context_len - len(ids))
+    eos = set(program.meta.get("get_eos_ids", []))
+    out: list[int] = []
+    shown = ""
+    for tok_id in greedy(program.forward, program.prefill, ids, n, eos):
+        if tok_id in eos:
+            break
+        out.append(tok_id)
+        text = tok.decode(out)
+        if on_text and not text.endswith("\ufffd"):  # wait for the rest of a multi-byte char
+            on_text(text[len(shown):])
+            shown = text
+    text = tok.decode(out)
+    if on_text and len(text) > len(shown):
+        on_text(text[len(shown):])
+    return text

@@ -1,0 +1,66 @@
+"""GGUF files, read through transformers' GGUF support (which uses the `gguf` package): weights
+dequantized to float32 under Hugging Face names, the config, and the tokenizer converted to a
+tokenizer.json."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..errors import InputError
+from . import Source
+
+
+def _pre_tokenizer_fix(kind: str):
+    """transformers maps some llama.cpp pre-tokenizers to plain GPT-2 byte-level splitting.
+    llama.cpp's `smollm` isolates every digit first; without this, non-ASCII numerals tokenize
+    differently from llama.cpp."""
+    from tokenizers import pre_tokenizers
+
+    if kind == "smollm":
+        return pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)])
+    return None
+
+
+def _read(path: Path, **kwargs) -> dict:
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    try:
+        return load_gguf_checkpoint(str(path), **kwargs)
+    except (ValueError, KeyError, IndexError, OSError, EOFError) as e:
+        raise InputError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e}). It may "
+                         "be truncated or of an unsupported GGUF version: download it again.") \
+            from None
+
+
+def load_gguf(path: Path) -> Source:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ..models import architecture
+
+    meta = _read(path)
+    raw = {k: v for k, v in meta["config"].items() if k != "_model_name_or_path"}
+    architecture(raw.get("model_type", "?"))  # refuse unsupported architectures early
+    cfg = AutoConfig.for_model(**raw)
+    with torch.device("meta"):  # the skeleton only tells transformers the names to map to
+        skeleton = AutoModelForCausalLM.from_config(cfg)
+    state = _read(path, return_tensors=True, model_to_load=skeleton)["tensors"]
+    tok = meta.get("tokenizer", {})
+
+    def write_tokenizer(out: Path) -> bool:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        fix = _pre_tokenizer_fix(tok.get("pre_tokenizer_type", ""))
+        if fix is not None:
+            tokenizer.backend_tokenizer.pre_tokenizer = fix
+        tokenizer.save_pretrained(str(out))
+        return (out / "tokenizer.json").is_file()
+
+    eos = tok.get("eos_token_id", getattr(cfg, "eos_token_id", None))
+    return Source(hf_config=cfg, state_dict=state, origin=str(path),
+                  write_tokenizer=write_tokenizer, bos_id=tok.get("bos_token_id"),
+                  eos_ids=() if eos is None else (int(eos),))

@@ -1,0 +1,102 @@
+"""Hugging Face model folders: config.json, safetensors (single or sharded), tokenizer files."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from ..errors import InputError
+from . import Source
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def read_config(folder: Path):
+    from transformers import AutoConfig
+
+    cfg_path = folder / "config.json"
+    if not cfg_path.is_file():
+        raise InputError(f"{folder} has no config.json. A Hugging Face model folder needs "
+                         "config.json and *.safetensors; `save_pretrained` writes both.")
+    try:
+        raw = json.loads(cfg_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise InputError(f"{cfg_path} is not readable JSON ({e}). Restore it from the "
+                         "model's original files.") from None
+    if not isinstance(raw, dict) or "model_type" not in raw:
+        raise InputError(f"{cfg_path} has no model_type. Supported: lfm2, llama. Run "
+                         "`edgellm models` to see every architecture and backend.")
+    from ..models import architecture
+
+    architecture(raw["model_type"])  # refuse unsupported types before transformers parses them
+    try:
+        return AutoConfig.for_model(**raw)
+    except (ValueError, TypeError, KeyError) as e:
+        raise InputError(f"{cfg_path} does not describe a valid {raw['model_type']} model: "
+                         f"{e}") from None
+
+
+def weight_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, json.JSONDecodeError, KeyError, AttributeError) as e:
+            raise InputError(f"{index} is not a valid safetensors index ({e}).") from None
+        files = [folder / n for n in names]
+        outside = [n for n, f in zip(names, files) if f.resolve().parent != folder.resolve()]
+        if outside:
+            raise InputError(f"{index} names shards outside the folder: {outside}.")
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise InputError(f"{index} lists shards that are missing: {', '.join(missing)}.")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise InputError(f"{folder} has no *.safetensors weights. Save the model with "
+                         "`save_pretrained(..., safe_serialization=True)`.")
+    return files
+
+
+def read_safetensors(files: list[Path]) -> dict:
+    from safetensors.torch import load_file
+
+    state = {}
+    for f in files:
+        try:
+            state.update(load_file(str(f)))
+        except Exception as e:  # safetensors raises its own error types for corrupt files
+            raise InputError(f"{f} is not a readable safetensors file ({e}). It may be "
+                             "truncated: download or save it again.") from None
+    return state
+
+
+def _ids(value) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, (list, tuple)) else (int(value),)
+
+
+def load_hf_folder(folder: Path) -> Source:
+    cfg = read_config(folder)
+    state = read_safetensors(weight_files(folder))
+    eos = _ids(getattr(cfg, "eos_token_id", None))
+    gen = folder / "generation_config.json"
+    if gen.is_file():
+        try:
+            eos = _ids(json.loads(gen.read_text()).get("eos_token_id")) or eos
+        except (OSError, json.JSONDecodeError, AttributeError):
+            pass  # generation_config.json is optional; config.json's ids stand
+
+    def write_tokenizer(out: Path) -> bool:
+        if not (folder / "tokenizer.json").is_file():
+            return False
+        for name in TOKENIZER_FILES:
+            if (folder / name).is_file():
+                shutil.copyfile(folder / name, out / name)
+        return True
+
+    return Source(hf_config=cfg, state_dict=state, origin=str(folder),
+                  write_tokenizer=write_tokenizer,
+                  bos_id=getattr(cfg, "bos_token_id", None), eos_ids=eos)
