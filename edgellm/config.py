@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,6 +78,8 @@ def _check_value(name: str, tp, value, problems: list[str]):
             problems.append(f"{name}: expected an integer, got {value!r}")
         return value
     if tp is str:
+        if isinstance(value, os.PathLike):
+            return os.fspath(value)
         if not isinstance(value, (str, int, float)) or isinstance(value, bool):
             problems.append(f"{name}: expected a string, got {value!r}")
             return value

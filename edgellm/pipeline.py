@@ -72,7 +72,7 @@ def metadata(cfg: ExportConfig, source, model_cfg, dynamic: bool) -> dict:
 
 def export(cfg: ExportConfig, quiet: bool = False) -> dict:
     """Run one export as configured; returns the report (also written as report.json)."""
-    from .export import export_forward
+    from .capture import export_forward
     from .lower import lower
     from .models import build_model
     from .sources import load_source

@@ -36,7 +36,11 @@ def delegation(graph_module) -> dict:
 
 def op_name(target) -> str:
     """'aten.index_put.default' for aten.index_put_.default and for its edge-dialect op alike."""
-    name = str(getattr(target, "_op", target))  # edge ops wrap the ATen op they stand for
+    from torch._ops import OpOverload
+
+    inner = getattr(target, "_op", None)  # edge-dialect ops wrap the ATen op they stand for
+    name = str(inner if isinstance(inner, OpOverload) and not isinstance(target, OpOverload)
+               else target)
     ns, _, rest = name.partition(".")
     base, dot, overload = rest.partition(".")
     return f"{ns}.{base.rstrip('_')}{dot}{overload}" if rest else name

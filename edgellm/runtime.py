@@ -53,6 +53,11 @@ class Program:
         return bool(self.meta.get("enable_dynamic_shape", False))
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+        start, T = int(input_pos[0]), tokens.shape[1]
+        if start < 0 or start + T > self.max_context_len or T > self.max_seq_len:
+            raise InputError(f"Cannot run positions {start}..{start + T - 1}: this program takes "
+                             f"at most {self.max_seq_len} tokens per call within "
+                             f"max_context_len {self.max_context_len}.")
         return self._forward.execute([tokens, input_pos])[0]
 
     def prefill(self, ids: list[int], start: int = 0) -> torch.Tensor:

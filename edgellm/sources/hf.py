@@ -13,7 +13,10 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 def read_config(folder: Path):
+    from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig
+
+    from ..models import architecture
 
     cfg_path = folder / "config.json"
     if not cfg_path.is_file():
@@ -27,14 +30,13 @@ def read_config(folder: Path):
     if not isinstance(raw, dict) or "model_type" not in raw:
         raise InputError(f"{cfg_path} has no model_type. Supported: lfm2, llama. Run "
                          "`edgellm models` to see every architecture and backend.")
-    from ..models import architecture
-
     architecture(raw["model_type"])  # refuse unsupported types before transformers parses them
     try:
-        return AutoConfig.for_model(**raw)
-    except (ValueError, TypeError, KeyError) as e:
-        raise InputError(f"{cfg_path} does not describe a valid {raw['model_type']} model: "
-                         f"{e}") from None
+        cfg = AutoConfig.for_model(**raw)
+    except (ValueError, TypeError, KeyError, StrictDataclassError) as e:
+        cause = getattr(e, "__cause__", None) or e
+        raise InputError(f"{cfg_path} contradicts itself: {cause}. Fix config.json.") from None
+    return cfg  # architecture-specific contradictions are checked when the model is built
 
 
 def weight_files(folder: Path) -> list[Path]:

@@ -1,0 +1,130 @@
+"""Tiny random Hugging Face models built with transformers in the tests, and a tokenizer to match.
+
+Everything here is built offline on the CPU; sizes are small enough for a 2-core CI machine.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from edgellm.numerics import compare
+
+CORPUS = ["the quick brown fox jumps over the lazy dog", "hello world from a tiny model",
+          "edge devices run small language models", "one two three four five six seven"] * 20
+PROMPT = "the quick brown fox jumps over the lazy"  # at least 8 tokens with this tokenizer
+BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
+
+
+def make_tokenizer(folder):
+    """A byte-level BPE tokenizer over ASCII only (no partial UTF-8 pieces), saved as
+    tokenizer.json + tokenizer_config.json. Returns its vocabulary size."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    alphabet = [c for c in pre_tokenizers.ByteLevel.alphabet() if c.isascii()]
+    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(
+        vocab_size=160, special_tokens=[BOS, EOS], initial_alphabet=alphabet,
+        limit_alphabet=len(alphabet)))
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": BOS, "eos_token": EOS, "tokenizer_class": "PreTrainedTokenizerFast"}))
+    return tok.get_vocab_size()
+
+
+def tiny_lfm2_config(vocab):
+    from transformers import Lfm2Config
+
+    return Lfm2Config(vocab_size=vocab, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                      layer_types=["conv", "full_attention", "conv", "full_attention"],
+                      max_position_embeddings=256, block_auto_adjust_ff_dim=False,
+                      bos_token_id=0, eos_token_id=1, pad_token_id=1)
+
+
+def tiny_llama_config(vocab):
+    from transformers import LlamaConfig
+
+    # Llama 3 rope scaling and untied embeddings: the paths SmolLM2 (tied, default rope) skips
+    return LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       max_position_embeddings=256, tie_word_embeddings=False,
+                       bos_token_id=0, eos_token_id=1, rope_theta=500000.0,
+                       rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                                     "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                     "original_max_position_embeddings": 64})
+
+
+def save_model(config, folder):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    model.save_pretrained(folder)
+    make_tokenizer(folder)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """{arch: (folder, transformers model)} for a mixed conv/attention LFM2 and a Llama."""
+    root = tmp_path_factory.mktemp("models")
+    vocab = make_tokenizer(root / "tok")
+    out = {}
+    for arch, make in (("lfm2", tiny_lfm2_config), ("llama", tiny_llama_config)):
+        folder = root / arch
+        out[arch] = (folder, save_model(make(vocab), folder))
+    return out
+
+
+@pytest.fixture(scope="session")
+def prompt_ids(tiny_models):
+    from tokenizers import Tokenizer
+
+    folder = next(iter(tiny_models.values()))[0]
+    ids = Tokenizer.from_file(str(folder / "tokenizer.json")).encode(PROMPT).ids
+    assert len(ids) >= 8
+    return ids
+
+
+def reference_run(hf_model, prompt, steps=8):
+    """transformers without a cache: the full sequence each step. Returns (greedy tokens, logits of
+    the last position after the prompt and after each generated token but the last)."""
+    ids, logits = list(prompt), []
+    with torch.no_grad():
+        for _ in range(steps):
+            row = hf_model(torch.tensor([ids])).logits[0, -1]
+            logits.append(row)
+            ids.append(int(row.argmax()))
+    return ids[len(prompt):], torch.stack(logits)
+
+
+def cached_run(forward, prompt, tokens):
+    """Prefill `prompt` in one call, then feed `tokens` (the reference's) one per call.
+    Returns the logits of every step, shaped like reference_run's."""
+    out = [forward(torch.tensor([prompt]), torch.tensor([0]))[0]]
+    for i, tok in enumerate(tokens[:-1]):
+        out.append(forward(torch.tensor([[tok]]), torch.tensor([len(prompt) + i]))[0])
+    return torch.stack(out)
+
+
+def cached_run_one_by_one(forward, prompt, tokens):
+    """Like cached_run for programs that take one token per call (static shapes)."""
+    for i, tok in enumerate(prompt):
+        last = forward(torch.tensor([[tok]]), torch.tensor([i]))[0]
+    out = [last]
+    for i, tok in enumerate(tokens[:-1]):
+        out.append(forward(torch.tensor([[tok]]), torch.tensor([len(prompt) + i]))[0])
+    return torch.stack(out)
+
+
+def assert_logits_close(actual, expected, atol, what=""):
+    """Logits within `atol` and the same greedy token at every step; reports the figures."""
+    c = compare(actual, expected)
+    assert c.max_abs <= atol and c.argmax_agree == 1.0, f"{what}: {c} (tolerance {atol})"
+    return c

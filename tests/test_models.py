@@ -1,0 +1,55 @@
+"""Our eager models against transformers: every formulation a backend may ask for."""
+
+import pytest
+import torch
+
+from conftest import assert_logits_close, cached_run, reference_run
+from edgellm.errors import InputError
+from edgellm.models import build_model
+from edgellm.models.layers import ModelOptions
+
+FORMULATIONS = [("sdpa", "mean", "copy"), ("sdpa", "rms_norm", "index_put"),
+                ("custom_ops", "linear_mean", "copy")]
+
+
+@pytest.mark.parametrize("arch", ["lfm2", "llama"])
+@pytest.mark.parametrize("attention,norm,state_write", FORMULATIONS)
+def test_eager_matches_transformers(tiny_models, prompt_ids, arch, attention, norm, state_write):
+    _, hf = tiny_models[arch]
+    tokens, expected = reference_run(hf, prompt_ids)
+    model = build_model(hf.config, hf.state_dict(), ModelOptions(64, attention, norm, state_write),
+                        torch.float32)
+    with torch.no_grad():
+        actual = cached_run(model, prompt_ids, tokens)
+        # A new sequence at position 0 must not see the previous one's conv state or cache.
+        again = cached_run(model, prompt_ids, tokens)
+    assert_logits_close(actual, expected, atol=1e-4, what=f"{arch} {attention}/{norm}")
+    assert torch.equal(actual, again)
+
+
+def test_loader_names_missing_unexpected_and_misshaped(tiny_models):
+    _, hf = tiny_models["llama"]
+    sd = dict(hf.state_dict())
+    sd.pop("model.norm.weight")
+    sd["model.extra.weight"] = torch.zeros(3)
+    sd["model.layers.0.mlp.up_proj.weight"] = torch.zeros(5, 5)
+    with pytest.raises(InputError, match=r"missing tensors: model\.norm\.weight.*unexpected "
+                       r"tensors: model\.extra\.weight.*mis-shaped tensors: "
+                       r"model\.layers\.0\.mlp\.up_proj\.weight \(5, 5\)"):
+        build_model(hf.config, sd, ModelOptions(), torch.float32)
+
+
+def test_lfm2_layer_types_must_match_layer_count(tiny_models, tmp_path):
+    import json
+    import shutil
+
+    from edgellm.sources import load_source
+
+    folder, _ = tiny_models["lfm2"]
+    shutil.copytree(folder, tmp_path / "m")
+    raw = json.loads((folder / "config.json").read_text())
+    raw["layer_types"] = ["conv"] * 3
+    (tmp_path / "m" / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(InputError, match=r"config\.json contradicts itself: .*num_hidden_layers"
+                       r".*4.*layer_types.*3"):
+        load_source(str(tmp_path / "m"))

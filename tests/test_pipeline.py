@@ -1,0 +1,127 @@
+"""The export job end to end on tiny models: the parity ladder down to the XNNPACK program in
+ExecuTorch's runtime, the files an export writes, and its report."""
+
+import json
+
+import pytest
+import torch
+import yaml
+
+import edgellm
+from conftest import (assert_logits_close, cached_run, cached_run_one_by_one, reference_run)
+from edgellm.runtime import Program
+
+
+@pytest.fixture(scope="session")
+def xnnpack_exports(tiny_models, tmp_path_factory):
+    root = tmp_path_factory.mktemp("exports")
+    out = {}
+    for arch, (folder, _) in tiny_models.items():
+        report = edgellm.export(folder, output=root / arch, backends="xnnpack", max_seq_len=32,
+                                max_context_len=64, etrecord=True, quiet=True)
+        out[arch] = (root / arch, report)
+    return out
+
+
+@pytest.mark.parametrize("arch", ["lfm2", "llama"])
+def test_parity_ladder(tiny_models, prompt_ids, xnnpack_exports, arch):
+    """transformers -> our eager model -> exported program -> XNNPACK .pte in the runtime."""
+    from edgellm.backends import Plan, get_backend
+    from edgellm.capture import export_forward
+    from edgellm.models import build_model
+
+    _, hf = tiny_models[arch]
+    tokens, expected = reference_run(hf, prompt_ids, steps=8)
+    plan = Plan((get_backend("xnnpack"),), (None,))
+    model = build_model(hf.config, hf.state_dict(), plan.model_options(64), torch.float32)
+    with torch.no_grad():
+        eager = cached_run(model, prompt_ids, tokens)
+        exported = export_forward(model, 32, dynamic=True).module()
+        program = cached_run(exported, prompt_ids, tokens)
+    runtime = cached_run(Program(xnnpack_exports[arch][0] / "model.pte").forward, prompt_ids,
+                         tokens)
+    for what, logits in (("eager", eager), ("exported", program), ("xnnpack .pte", runtime)):
+        assert_logits_close(logits, expected, atol=1e-4, what=f"{arch} {what}")
+
+
+def test_outputs_and_report(xnnpack_exports):
+    folder, report = xnnpack_exports["lfm2"]
+    names = {p.name for p in folder.iterdir()}
+    assert {"model.pte", "tokenizer.json", "report.json", "report.md", "config.yaml",
+            "etrecord.bin"} <= names
+    assert not [p for p in folder.parent.iterdir() if ".partial-" in p.name]
+    on_disk = json.loads((folder / "report.json").read_text())
+    assert on_disk == json.loads(json.dumps(report))
+    assert on_disk["backends"] == ["xnnpack"]
+    d = on_disk["methods"]["forward"]["delegation"]
+    # 2 attention layers: the llama:: ops between them break the graph; everything else delegated
+    assert d["subgraphs"] >= 1 and d["delegated_nodes"] > 0
+    assert d["by_op"]["aten_linear_default"] == {"delegated": d["by_op"]["aten_linear_default"]
+                                                 ["delegated"], "non_delegated": 0}
+    assert d["by_op"]["llama_custom_sdpa_default"]["non_delegated"] == 2
+    assert d["non_delegated_nodes"] == sum(v["non_delegated"] for v in d["by_op"].values())
+    assert on_disk["pte_bytes"] == (folder / "model.pte").stat().st_size
+    assert [s["name"] for s in on_disk["stages"]] == ["load", "build", "export", "lower",
+                                                      "serialize"]
+    linear = next(o for o in on_disk["preserved_ops"][0]["ops"] if o["op"] == "aten.linear.default")
+    assert linear["status"] == "intact" and linear["in_delegates"] == linear["in_program"] > 0
+    assert "| forward |" in (folder / "report.md").read_text()
+
+
+def test_metadata_methods_follow_the_runner(xnnpack_exports, tiny_models):
+    folder, _ = xnnpack_exports["llama"]
+    program = Program(folder / "model.pte")
+    hf = tiny_models["llama"][1]
+    assert program.meta == {"get_max_seq_len": 32, "get_max_context_len": 64,
+                            "get_vocab_size": hf.config.vocab_size, "get_n_layers": 2,
+                            "get_bos_id": 0, "get_eos_ids": [1], "use_kv_cache": True,
+                            "enable_dynamic_shape": True}
+
+
+def test_config_yaml_replays_the_export(xnnpack_exports, tmp_path):
+    folder, report = xnnpack_exports["llama"]
+    saved = yaml.safe_load((folder / "config.yaml").read_text())
+    assert saved["max_seq_len"] == 32 and saved["backends"] == ["xnnpack"]
+    replay = edgellm.export(config=folder / "config.yaml", output=tmp_path / "again", quiet=True)
+    assert (tmp_path / "again" / "model.pte").read_bytes() == (folder / "model.pte").read_bytes()
+    assert replay["methods"] == report["methods"]
+
+
+def test_existing_output_is_not_overwritten_without_force(xnnpack_exports):
+    folder, _ = xnnpack_exports["llama"]
+    before = (folder / "model.pte").stat().st_mtime_ns
+    with pytest.raises(edgellm.InputError, match="already exists. Pass --force"):
+        edgellm.export(config=folder / "config.yaml", output=folder, quiet=True)
+    assert (folder / "model.pte").stat().st_mtime_ns == before
+
+
+def test_generate_streams_greedy_text(xnnpack_exports, tiny_models, prompt_ids):
+    from tokenizers import Tokenizer
+
+    folder, _ = xnnpack_exports["lfm2"]
+    pieces = []
+    text = edgellm.generate(folder / "model.pte", "the quick brown fox jumps over the lazy", n=6,
+                            on_text=pieces.append)
+    tokens, _ = reference_run(tiny_models["lfm2"][1], prompt_ids, steps=6)
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    eos = 1
+    expected = tokens[:tokens.index(eos)] if eos in tokens else tokens
+    assert text == tok.decode(expected) and "".join(pieces) == text
+
+
+def test_portable_program_fed_one_token_per_call(tiny_models, prompt_ids, tmp_path):
+    """No delegate at all, and the prompt fed a token per call as static-shape programs are."""
+    folder, hf = tiny_models["lfm2"]
+    edgellm.export(folder, output=tmp_path / "p", backends="portable", max_seq_len=32,
+                   quiet=True)
+    tokens, expected = reference_run(hf, prompt_ids)
+    program = Program(tmp_path / "p" / "model.pte")
+    assert program.dynamic
+    actual = cached_run_one_by_one(program.forward, prompt_ids, tokens)
+    assert_logits_close(actual, expected, atol=1e-4, what="portable")
+
+
+def test_positions_past_the_context_are_refused(xnnpack_exports):
+    program = Program(xnnpack_exports["llama"][0] / "model.pte")
+    with pytest.raises(edgellm.InputError, match=r"positions 60\.\.67: .* max_context_len 64"):
+        program.forward(torch.zeros(1, 8, dtype=torch.long), torch.tensor([60]))
