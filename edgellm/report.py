@@ -25,12 +25,17 @@ def delegation(graph_module) -> dict:
     by_op = {op: {"delegated": b.delegated, "non_delegated": b.non_delegated}
              for op, b in sorted(info.delegation_by_operator.items())}
     compute = sum(v["non_delegated"] for op, v in by_op.items() if op not in NOT_COMPUTE)
-    per_backend = Counter(m.backend_id for m in delegates(graph_module))
+    per_backend: dict[str, dict] = {}
+    for lowered in delegates(graph_module):
+        entry = per_backend.setdefault(lowered.backend_id, {"subgraphs": 0, "ops": Counter()})
+        entry["subgraphs"] += 1
+        entry["ops"].update(_op_counts(lowered.original_module.graph_module))
     return {"subgraphs": info.num_delegated_subgraphs,
             "delegated_nodes": info.num_delegated_nodes,
             "non_delegated_nodes": info.num_non_delegated_nodes,
             "non_delegated_compute_nodes": compute,
-            "subgraphs_by_backend": dict(per_backend),
+            "by_backend": {name: {"subgraphs": e["subgraphs"], "ops": dict(sorted(e["ops"].items()))}
+                           for name, e in per_backend.items()},
             "by_op": by_op}
 
 

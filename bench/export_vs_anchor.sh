@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# edgellm beside ExecuTorch's export_llm on the same LFM2.5-350M weights (max_seq_len 512).
+#
+# usage: bench/export_vs_anchor.sh OUTDIR [CONFIG ...]     CONFIG: coreml_fp32 xnnpack_fp32
+#   env SKIP_ANCHOR=1 reuses OUTDIR/anchor.jsonl from an earlier anchor run of the same session.
+# Runs ../shared/bench/anchor.sh (the reference), then edgellm on OUTDIR/hf for each config, and
+# prints one table; the last line is one JSON object with both sides and the ratios.
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+root=$(cd "$here/.." && pwd)
+out=${1:?usage: export_vs_anchor.sh OUTDIR [CONFIG ...]}; shift || true
+configs=${*:-coreml_fp32 xnnpack_fp32}
+py=${EDGELLM_PYTHON:-$root/.venv/bin/python}
+mkdir -p "$out"; out=$(cd "$out" && pwd)
+[ "${SKIP_ANCHOR:-0}" = 1 ] || bash "$root/../shared/bench/anchor.sh" "$out" $configs
+: > "$out/edgellm.jsonl"
+for c in $configs; do
+  case $c in
+    # the reference config sets ios 18 and cpu_and_ne and leaves precision at fp16, as here
+    coreml_fp32) args="--backend coreml coreml.min_ios=18 coreml.compute_units=cpu_and_ne" ;;
+    xnnpack_fp32) args="--backend xnnpack" ;;
+    *) echo "unknown config $c" >&2; exit 2 ;;
+  esac
+  /usr/bin/time -v "$py" -m edgellm.cli export "$out/hf" -o "$out/edgellm_$c" --force \
+      --max-seq-len 512 --max-context-len 512 --quiet $args > "$out/edgellm_$c.log" 2>&1
+  "$py" "$here/summarize.py" "$c" "$out/edgellm_$c" "$out/edgellm_$c.log" >> "$out/edgellm.jsonl"
+done
+"$py" "$here/summarize.py" --table "$out/anchor.jsonl" "$out/edgellm.jsonl"

