@@ -47,7 +47,7 @@ def generate(pte, prompt: str, n: int = 32, tokenizer=None, on_text=None) -> str
 def models() -> dict:
     """Architectures and backends, and which combinations are supported."""
     from .backends import BACKENDS
-    from .models import ARCHITECTURES
+    from .architectures import ARCHITECTURES
 
     return {"architectures": dict(ARCHITECTURES),
             "backends": {name: b.summary for name, b in BACKENDS.items()},

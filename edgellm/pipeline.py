@@ -74,7 +74,7 @@ def export(cfg: ExportConfig, quiet: bool = False) -> dict:
     """Run one export as configured; returns the report (also written as report.json)."""
     from .capture import export_forward
     from .lower import lower
-    from .models import build_model
+    from .architectures import build_model
     from .sources import load_source
 
     dest = Path(cfg.output)

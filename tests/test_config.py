@@ -17,7 +17,8 @@ def test_every_problem_is_reported_at_once():
     assert "unknown key 'max_seq_lenn'. Did you mean 'max_seq_len'?" in text
     assert "dtype: 'int3' is not one of fp32, fp16, bf16" in text
     assert "unknown key 'coreml.precison'. Did you mean 'precision'?" in text
-    assert len(e.value.problems) == 3
+    assert "coreml.state: 'coreml' needs min_ios 18" in text
+    assert len(e.value.problems) == 4
 
 
 def test_coreml_state_needs_ios18():

@@ -5,8 +5,8 @@ import torch
 
 from conftest import assert_logits_close, cached_run, reference_run
 from edgellm.errors import InputError
-from edgellm.models import build_model
-from edgellm.models.layers import ModelOptions
+from edgellm.architectures import build_model
+from edgellm.architectures.layers import ModelOptions
 
 FORMULATIONS = [("sdpa", "mean", "copy"), ("sdpa", "rms_norm", "index_put"),
                 ("custom_ops", "linear_mean", "copy")]

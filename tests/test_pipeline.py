@@ -28,7 +28,7 @@ def test_parity_ladder(tiny_models, prompt_ids, xnnpack_exports, arch):
     """transformers -> our eager model -> exported program -> XNNPACK .pte in the runtime."""
     from edgellm.backends import Plan, get_backend
     from edgellm.capture import export_forward
-    from edgellm.models import build_model
+    from edgellm.architectures import build_model
 
     _, hf = tiny_models[arch]
     tokens, expected = reference_run(hf, prompt_ids, steps=8)

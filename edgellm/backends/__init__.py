@@ -29,7 +29,7 @@ class Backend:
     summary: str
     dynamic_shapes: bool  # can forward take T in 1..max_seq_len, or only T=1
     attention: str  # how the model writes attention: "custom_ops" (llama:: ops) or "sdpa"
-    norm: str  # how the model writes RMSNorm: see models.layers.RMSNorm
+    norm: str  # how the model writes RMSNorm: see architectures.layers.RMSNorm
     make_partitioners: Callable[[Any], list]  # options -> partitioners
     state_write: str = "copy"  # how recurrent state (LFM2 conv) is written: "copy" or "index_put"
     options: type = NoOptions  # frozen dataclass of this backend's options
@@ -95,7 +95,7 @@ class Plan:
         return all(b.dynamic_shapes for b in self.backends)
 
     def model_options(self, max_context_len: int):
-        from ..models.layers import ModelOptions
+        from ..architectures.layers import ModelOptions
 
         first = self.backends[0]
         return ModelOptions(max_context_len, first.attention, first.norm, first.state_write)

@@ -39,7 +39,7 @@ def _read(path: Path, **kwargs) -> dict:
 def load_gguf(path: Path) -> Source:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from ..models import architecture
+    from ..architectures import architecture
 
     meta = _read(path)
     raw = {k: v for k, v in meta["config"].items() if k != "_model_name_or_path"}

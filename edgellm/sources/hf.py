@@ -16,7 +16,7 @@ def read_config(folder: Path):
     from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig
 
-    from ..models import architecture
+    from ..architectures import architecture
 
     cfg_path = folder / "config.json"
     if not cfg_path.is_file():
