@@ -151,3 +151,16 @@ def make_step(input_pos: torch.Tensor, T: int, opts: ModelOptions) -> Step:
     positions = input_pos + torch.arange(T, device=input_pos.device)
     fresh = (input_pos[0] == 0).float()
     return Step(positions=positions, start=input_pos, start_int=start_int, fresh=fresh)
+
+
+def run_decoder(lm: nn.Module, tokens: torch.Tensor, input_pos: torch.Tensor, final_norm: nn.Module,
+                head: torch.Tensor) -> torch.Tensor:
+    """The top of every architecture: embed, every layer, final norm and head on the last token.
+    `lm` has `.opts`, `.rope` and `.model` with `embed_tokens` and `layers`."""
+    step = make_step(input_pos, tokens.shape[1], lm.opts)
+    x = lm.model.embed_tokens(tokens)  # (1, T, hidden)
+    cos, sin = lm.rope.tables(step.positions, x.dtype)
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]  # (1, T, 1, head_dim)
+    for layer in lm.model.layers:
+        x = layer(x, lm.rope, cos, sin, step)
+    return F.linear(final_norm(x[:, -1, :]), head)  # (1, vocab)

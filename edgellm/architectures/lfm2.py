@@ -15,7 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .layers import KVCache, ModelOptions, RMSNorm, Rope, make_step
+from ..errors import InputError
+
+from .layers import KVCache, ModelOptions, RMSNorm, Rope, run_decoder
 
 
 def check(cfg) -> list[str]:
@@ -163,19 +165,12 @@ class Lfm2ForCausalLM(nn.Module):
         sd.pop("lm_head.weight", None)  # LFM2 always ties the head to embed_tokens
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
-        step = make_step(input_pos, tokens.shape[1], self.opts)
-        x = self.model.embed_tokens(tokens)  # (1, T, hidden)
-        cos, sin = self.rope.tables(step.positions, x.dtype)
-        cos, sin = cos[None, :, None, :], sin[None, :, None, :]  # (1, T, 1, D)
-        for layer in self.model.layers:
-            x = layer(x, self.rope, cos, sin, step)
-        x = self.model.embedding_norm(x[:, -1, :])  # (1, hidden)
-        return F.linear(x, self.model.embed_tokens.weight)
+        # LFM2's "embedding_norm" is its final norm; the head is tied to the embedding
+        return run_decoder(self, tokens, input_pos, self.model.embedding_norm,
+                           self.model.embed_tokens.weight)
 
 
 def raise_shape(key, tensor, rows):
-    from ..errors import InputError
-
     raise InputError(f"Checkpoint tensor {key} has shape {tuple(tensor.shape)}; expected "
                      f"{rows} rows (B, C and x for hidden_size {rows // 3}). Check that the "
                      "weights and config.json come from the same model.")

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .layers import KVCache, ModelOptions, RMSNorm, Rope, make_step
+from .layers import KVCache, ModelOptions, RMSNorm, Rope, run_decoder
 
 
 def check(cfg) -> list[str]:
@@ -107,15 +107,8 @@ class LlamaForCausalLM(nn.Module):
             sd.pop("lm_head.weight", None)
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
-        step = make_step(input_pos, tokens.shape[1], self.opts)
-        x = self.model.embed_tokens(tokens)  # (1, T, hidden)
-        cos, sin = self.rope.tables(step.positions, x.dtype)
-        cos, sin = cos[None, :, None, :], sin[None, :, None, :]  # (1, T, 1, D)
-        for layer in self.model.layers:
-            x = layer(x, self.rope, cos, sin, step)
-        x = self.model.norm(x[:, -1, :])  # (1, hidden)
         head = self.model.embed_tokens.weight if self.tied else self.lm_head.weight
-        return F.linear(x, head)
+        return run_decoder(self, tokens, input_pos, self.model.norm, head)
 
 
 def build(cfg, opts: ModelOptions, dtype) -> LlamaForCausalLM:
