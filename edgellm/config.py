@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,7 +58,7 @@ class ExportConfig:
 def _check_value(name: str, tp, value, problems: list[str]):
     """Coerce `value` to type `tp` (int, bool, str, optionals, tuples of str); report mismatches."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType")):
+    if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
         tp = next(a for a in args if a is not type(None))
@@ -93,7 +94,7 @@ def build_dataclass(cls, data: Mapping[str, Any], prefix: str, problems: list[st
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)
              if f.name in hints and f.init and not f.metadata.get("internal")]
-    kwargs = {}
+    kwargs, mistyped = {}, 0
     for key, value in data.items():
         if key not in names:
             known = names + list(sections)
@@ -101,15 +102,16 @@ def build_dataclass(cls, data: Mapping[str, Any], prefix: str, problems: list[st
             more = f" Did you mean '{hint[0]}'?" if hint else f" Known: {', '.join(known)}."
             problems.append(f"unknown key '{prefix}{key}'.{more}")
             continue
+        n = len(problems)
         kwargs[key] = _check_value(prefix + key, hints[key], value, problems)
+        mistyped += len(problems) - n
     try:
         obj = cls(**kwargs)
     except (TypeError, ValueError) as e:
         problems.append(f"{prefix.rstrip('.') or cls.__name__}: {e}")
         return None
-    check = getattr(obj, "problems", None)
-    if check is not None and not any(p.startswith(prefix) for p in problems if prefix):
-        problems.extend(f"{prefix}{p}" for p in check())
+    if hasattr(obj, "problems") and not mistyped:  # values are checked once their types are right
+        problems.extend(f"{prefix}{p}" for p in obj.problems())
     return obj
 
 
