@@ -16,7 +16,7 @@ FORMULATIONS = [("sdpa", "mean", "copy"), ("sdpa", "rms_norm", "index_put"),
 @pytest.mark.parametrize("attention,norm,state_write", FORMULATIONS)
 def test_eager_matches_transformers(tiny_models, prompt_ids, arch, attention, norm, state_write):
     _, hf = tiny_models[arch]
-    tokens, expected = reference_run(hf, prompt_ids)
+    tokens, expected = reference_run(hf, prompt_ids, steps=9)  # prefill + 8 decode calls
     model = build_model(hf.config, hf.state_dict(), ModelOptions(64, attention, norm, state_write),
                         torch.float32)
     with torch.no_grad():

@@ -31,7 +31,7 @@ def test_parity_ladder(tiny_models, prompt_ids, xnnpack_exports, arch):
     from edgellm.architectures import build_model
 
     _, hf = tiny_models[arch]
-    tokens, expected = reference_run(hf, prompt_ids, steps=8)
+    tokens, expected = reference_run(hf, prompt_ids, steps=9)  # prefill + 8 decode calls
     plan = Plan((get_backend("xnnpack"),), (None,))
     model = build_model(hf.config, hf.state_dict(), plan.model_options(64), torch.float32)
     with torch.no_grad():
