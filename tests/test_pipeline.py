@@ -125,3 +125,22 @@ def test_positions_past_the_context_are_refused(xnnpack_exports):
     program = Program(xnnpack_exports["llama"][0] / "model.pte")
     with pytest.raises(edgellm.InputError, match=r"positions 60\.\.67: .* max_context_len 64"):
         program.forward(torch.zeros(1, 8, dtype=torch.long), torch.tensor([60]))
+
+
+def test_fp16_program_stays_close(tiny_models, prompt_ids, tmp_path):
+    folder, hf = tiny_models["llama"]
+    edgellm.export(folder, output=tmp_path / "h", backends="xnnpack", dtype="fp16",
+                   max_seq_len=32, quiet=True)
+    tokens, expected = reference_run(hf, prompt_ids, steps=9)
+    logits = cached_run(Program(tmp_path / "h" / "model.pte").forward, prompt_ids, tokens)
+    assert logits.dtype == torch.float16
+    assert_logits_close(logits.float(), expected, atol=5e-3, what="fp16 xnnpack")
+
+
+@pytest.mark.parametrize("backend", ["coreml", "vulkan", "portable"])
+def test_etrecord_is_written_for_every_backend(tiny_models, tmp_path, backend):
+    folder, _ = tiny_models["llama"]
+    report = edgellm.export(folder, output=tmp_path / backend, backends=backend, max_seq_len=8,
+                            etrecord=True, quiet=True)
+    assert report["files"]["etrecord"] == "etrecord.bin"
+    assert (tmp_path / backend / "etrecord.bin").stat().st_size > 0
