@@ -19,7 +19,6 @@ DEPRECATION_CATEGORIES = (DeprecationWarning, PendingDeprecationWarning, FutureW
 
 @dataclass
 class Lowered:
-    edge: object  # EdgeProgramManager, after lowering
     program: object  # ExecutorchProgramManager
     delegation: dict  # method -> delegation figures, taken before to_executorch rewrites the graph
     preserved: list[dict] = field(default_factory=list)  # per partitioner: ops kept whole, and fate
@@ -99,5 +98,5 @@ def lower(programs: dict[str, ExportedProgram], partitioners: list, constant_met
     # Plan memory for the largest T the program accepts, not for the example input's T.
     program = edge.to_executorch(ExecutorchBackendConfig(
         sym_shape_eval_pass=ConstraintBasedSymShapeEvalPass()))
-    return Lowered(edge=edge, program=program, delegation=figures, preserved=fates,
+    return Lowered(program=program, delegation=figures, preserved=fates,
                    deprecations=logged, python_deprecations=python)

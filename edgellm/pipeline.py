@@ -57,8 +57,9 @@ def staging(dest: Path, force: bool):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def metadata(cfg: ExportConfig, source, model_cfg, dynamic: bool) -> dict:
+def metadata(cfg: ExportConfig, source, dynamic: bool) -> dict:
     """Constant methods ExecuTorch's LLM runner reads (see extension/llm/runner)."""
+    model_cfg = source.hf_config
     meta = {"get_max_seq_len": cfg.max_seq_len, "get_max_context_len": cfg.context_len,
             "get_vocab_size": model_cfg.vocab_size, "get_n_layers": model_cfg.num_hidden_layers,
             "use_kv_cache": True, "use_sdpa_with_kv_cache": False,
@@ -93,13 +94,13 @@ def export(cfg: ExportConfig, quiet: bool = False) -> dict:
             programs = {"forward": export_forward(model, cfg.max_seq_len, plan.dynamic_shapes)}
             del model
         with stages.stage("lower"):
-            meta = metadata(cfg, source, source.hf_config, plan.dynamic_shapes)
+            meta = metadata(cfg, source, plan.dynamic_shapes)
             lowered = lower(programs, plan.partitioners(), meta, cfg.etrecord)
             del programs
         with stages.stage("serialize"):
             files = write_outputs(tmp, cfg, source, lowered)
-        rep = build_report(cfg, plan, source, lowered, stages, files)
-        rep["pte_bytes"] = (tmp / "model.pte").stat().st_size
+        pte_bytes = (tmp / "model.pte").stat().st_size
+        rep = build_report(cfg, plan, source, lowered, stages, (files, pte_bytes))
         reports.write(rep, tmp)
     return rep
 
@@ -119,8 +120,9 @@ def write_outputs(folder: Path, cfg: ExportConfig, source, lowered) -> dict:
     return files
 
 
-def build_report(cfg, plan, source, lowered, stages: Stages, files: dict) -> dict:
+def build_report(cfg, plan, source, lowered, stages: Stages, written: tuple) -> dict:
     hf = source.hf_config
+    files, pte_bytes = written
     methods = {name: {"delegation": figures} for name, figures in lowered.delegation.items()}
     return {
         "backends": list(cfg.backends),
@@ -133,6 +135,6 @@ def build_report(cfg, plan, source, lowered, stages: Stages, files: dict) -> dic
         "deprecation_warnings": len(lowered.deprecations),
         "deprecation_messages": lowered.deprecations,
         "python_deprecation_warnings": lowered.python_deprecations,
-        "files": files,
+        "files": files, "pte_bytes": pte_bytes,
         "wall_s": stages.wall_s, "peak_rss_mb": peak_rss_mb(), "stages": stages.records,
     }

@@ -54,17 +54,18 @@ def test_outputs_and_report(xnnpack_exports):
     assert on_disk == json.loads(json.dumps(report))
     assert on_disk["backends"] == ["xnnpack"]
     d = on_disk["methods"]["forward"]["delegation"]
-    # 2 attention layers: the llama:: ops between them break the graph; everything else delegated
-    assert d["subgraphs"] >= 1 and d["delegated_nodes"] > 0
-    assert d["by_op"]["aten_linear_default"] == {"delegated": d["by_op"]["aten_linear_default"]
-                                                 ["delegated"], "non_delegated": 0}
+    # 2 attention layers: their llama:: ops split the graph; 7 subgraphs today, the goal of
+    # issue 4 is 4 (attention layers + 2). Every linear is delegated.
+    assert 1 <= d["subgraphs"] <= 7 and list(d["by_backend"]) == ["XnnpackBackend"]
+    linear = d["by_op"]["aten_linear_default"]
+    assert linear["non_delegated"] == 0 and linear["delegated"] > 0
     assert d["by_op"]["llama_custom_sdpa_default"]["non_delegated"] == 2
     assert d["non_delegated_nodes"] == sum(v["non_delegated"] for v in d["by_op"].values())
     assert on_disk["pte_bytes"] == (folder / "model.pte").stat().st_size
     assert [s["name"] for s in on_disk["stages"]] == ["load", "build", "export", "lower",
                                                       "serialize"]
-    linear = next(o for o in on_disk["preserved_ops"][0]["ops"] if o["op"] == "aten.linear.default")
-    assert linear["status"] == "intact" and linear["in_delegates"] == linear["in_program"] > 0
+    kept = next(o for o in on_disk["preserved_ops"][0]["ops"] if o["op"] == "aten.linear.default")
+    assert kept["status"] == "intact" and kept["in_delegates"] == kept["in_program"] > 0
     assert "| forward |" in (folder / "report.md").read_text()
 
 
