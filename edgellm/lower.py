@@ -24,6 +24,8 @@ class Lowered:
     preserved: list[dict] = field(default_factory=list)  # per partitioner: ops kept whole, and fate
     deprecations: list[str] = field(default_factory=list)  # logged deprecation warnings
     python_deprecations: list[str] = field(default_factory=list)  # warnings-module ones, distinct
+    # method -> {buffer fqn: {"shape", "dtype", "kept_by_executorch"}} for every mutable buffer
+    states: dict = field(default_factory=dict)
 
 
 class _DeprecationLog(logging.Handler):
@@ -75,6 +77,25 @@ def record_preserved(partitioners: list) -> list[dict]:
     return records
 
 
+def mutable_buffers(ep: ExportedProgram) -> dict[str, dict]:
+    """The buffers a program writes, with the shape and dtype they enter it with. The exported
+    program is not functionalized yet, so writes are found as arguments an op's schema marks as
+    written (copy_, index_put_, llama::update_cache, ...)."""
+    buffers = {n: ep.graph_signature.inputs_to_buffers[n.name] for n in ep.graph.nodes
+               if n.op == "placeholder" and n.name in ep.graph_signature.inputs_to_buffers}
+    out = {}
+    for node in ep.graph.nodes:
+        schema = getattr(node.target, "_schema", None)
+        if node.op != "call_function" or schema is None:
+            continue
+        for arg, value in zip(schema.arguments, node.args):
+            if arg.alias_info is not None and arg.alias_info.is_write and value in buffers:
+                val = value.meta["val"]
+                out[buffers[value]] = {"shape": list(val.shape),
+                                       "dtype": str(val.dtype).removeprefix("torch.")}
+    return dict(sorted(out.items()))
+
+
 def lower(programs: dict[str, ExportedProgram], partitioners: list, constant_methods: dict,
           etrecord: bool) -> Lowered:
     from executorch.exir import (EdgeCompileConfig, ExecutorchBackendConfig,
@@ -84,6 +105,7 @@ def lower(programs: dict[str, ExportedProgram], partitioners: list, constant_met
     from .report import delegation, op_histogram, preserved_report
 
     ops_before = op_histogram(programs)
+    states = {name: mutable_buffers(ep) for name, ep in programs.items()}
     logged: list[str] = []
     python: list[str] = []
     preserved = record_preserved(partitioners)
@@ -95,8 +117,12 @@ def lower(programs: dict[str, ExportedProgram], partitioners: list, constant_met
             generate_etrecord=etrecord)
     figures = {name: delegation(edge.exported_program(name).graph_module) for name in programs}
     fates = preserved_report(preserved, ops_before, edge)
+    for name in programs:  # a buffer a delegate took over is no longer the program's to write
+        kept = set(edge.exported_program(name).graph_signature.buffers_to_mutate.values())
+        for fqn, facts in states[name].items():
+            facts["kept_by_executorch"] = fqn in kept
     # Plan memory for the largest T the program accepts, not for the example input's T.
     program = edge.to_executorch(ExecutorchBackendConfig(
         sym_shape_eval_pass=ConstraintBasedSymShapeEvalPass()))
     return Lowered(program=program, delegation=figures, preserved=fates,
-                   deprecations=logged, python_deprecations=python)
+                   deprecations=logged, python_deprecations=python, states=states)

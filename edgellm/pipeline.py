@@ -99,10 +99,19 @@ def export(cfg: ExportConfig, quiet: bool = False) -> dict:
             del programs
         with stages.stage("serialize"):
             files = write_outputs(tmp, cfg, source, lowered)
+        with stages.stage("inspect"):
+            delegates = inspect_delegates(plan, tmp / "model.pte", lowered.states)
         pte_bytes = (tmp / "model.pte").stat().st_size
         rep = build_report(cfg, plan, source, lowered, stages, (files, pte_bytes))
+        rep["delegates"] = delegates
         reports.write(rep, tmp)
     return rep
+
+
+def inspect_delegates(plan, pte: Path, states: dict) -> dict:
+    """Each backend that can open its own payloads describes and checks them."""
+    return {b.name: b.inspect_delegates(pte, options, states)
+            for b, options in zip(plan.backends, plan.options) if b.inspect_delegates}
 
 
 def write_outputs(folder: Path, cfg: ExportConfig, source, lowered) -> dict:

@@ -34,8 +34,9 @@ class Backend:
     state_write: str = "copy"  # how recurrent state (LFM2 conv) is written: "copy" or "index_put"
     options: type = NoOptions  # frozen dataclass of this backend's options
     requires: tuple[str, ...] = ()  # modules its SDK needs, checked before any heavy work
-    keeps_state_in_delegate: Callable[[Any], bool] = lambda options: False
-    delegate_inspector: Callable | None = None  # (lowered module, options) -> dict for the report
+    # (written .pte, options, {method: {buffer: facts}}) -> report entries per delegate; raises
+    # VerificationError when a delegate disagrees with what the options asked for
+    inspect_delegates: Callable | None = None
 
     def check_available(self) -> None:
         missing = [m for m in self.requires if importlib.util.find_spec(m) is None]

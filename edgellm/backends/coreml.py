@@ -8,8 +8,11 @@ Core ML state (iOS 18+) for apps whose runtime binds states. See pytorch/executo
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
 
+from ..errors import VerificationError
 from . import Backend
 
 COMPUTE_UNITS = ("cpu_only", "cpu_and_gpu", "cpu_and_ne", "all")
@@ -60,6 +63,126 @@ def _partitioners(options: CoreMLOptions) -> list:
                               take_over_mutable_buffer=options.state == "coreml")]
 
 
+# --- What the program ships: each Core ML payload, described and checked against the policy ----
+
+TARGETS = {8: "iOS17", 9: "iOS18"}  # coremltools' ct.target values in the compile specs
+
+
+def inspect_delegates(pte: Path, options: CoreMLOptions, states: dict) -> list[dict]:
+    """Open every Core ML delegate payload of the written program (an mlpackage coremltools reads
+    on Linux), describe it for the report and check where state ended up against `options.state`.
+    `states` is {method: {buffer fqn: {"shape", "dtype", "kept_by_executorch"}}}, taken from the
+    exported programs. Raises VerificationError naming every buffer in the wrong place."""
+    entries, problems = [], []
+    for method, index, specs, package in _payloads(pte):
+        entry = {"method": method, "index": index, **_compile_settings(specs), **_describe(package)}
+        problems += _lint(entry, options.state, states.get(method, {}))
+        entries.append(entry)
+    if problems:
+        raise VerificationError(
+            f"The Core ML delegate disagrees with state policy '{options.state}': "
+            + "; ".join(problems) + ". This is an edgellm bug; please report it with report.json.")
+    return entries
+
+
+def _payloads(pte: Path):
+    """(method, delegate index, compile specs, mlpackage path) for every Core ML delegate."""
+    import json
+    import tempfile
+
+    from executorch.backends.apple.coreml import executorchcoreml
+    from executorch.exir._serialize._program import deserialize_pte_binary
+
+    pte_file = deserialize_pte_binary(pte.read_bytes())
+    program, named = pte_file.program, {}
+    if pte_file.named_data is not None:
+        named = {k: pte_file.named_data.buffers[e.buffer_index]
+                 for k, e in pte_file.named_data.pte_data.items()}
+    with tempfile.TemporaryDirectory(prefix="edgellm-coreml-") as tmp:
+        for plan in program.execution_plan:
+            for index, delegate in enumerate(plan.delegates):
+                if delegate.id != "CoreMLBackend":
+                    continue
+                data = program.backend_delegate_data[delegate.processed.index].data
+                if data.startswith(b"CMJR"):  # multifunction: a reference into the named data
+                    data = named[json.loads(data[4:])["key"]]
+                folder = Path(tmp) / f"{plan.name}-{index}"
+                folder.mkdir()
+                if not executorchcoreml.unflatten_directory_contents(data, str(folder)):
+                    raise VerificationError(f"Could not unpack Core ML delegate {index} of "
+                                            f"method {plan.name}")
+                yield plan.name, index, delegate.compile_specs, next(folder.rglob("*.mlpackage"))
+
+
+def _compile_settings(specs) -> dict:
+    values = {s.key: bytes(s.value).decode() for s in specs}
+    target = values.get("min_deployment_target", "")
+    return {"compute_units": values.get("compute_units"),
+            "precision": values.get("model_compute_precision"),
+            "min_deployment_target": TARGETS.get(int(target), target) if target else None}
+
+
+def _describe(package: Path) -> dict:
+    """Inputs, outputs and states with shapes and dtypes; MIL operations (constants excluded)."""
+    import coremltools as ct
+    from coremltools.proto import FeatureTypes_pb2
+
+    spec = ct.models.MLModel(str(package), skip_model_load=True).get_spec()
+    dtype_name = FeatureTypes_pb2.ArrayFeatureType.ArrayDataType.Name
+
+    def features(items, state=False):
+        out = []
+        for f in items:
+            array = f.type.stateType.arrayType if state else f.type.multiArrayType
+            out.append({"name": f.name, "shape": list(array.shape),
+                        "dtype": dtype_name(array.dataType).lower()})
+        return out
+
+    ops = Counter()
+    for function in spec.mlProgram.functions.values():
+        for block in function.block_specializations.values():
+            _count_ops(block, ops)
+    mil = {op: n for op, n in sorted(ops.items()) if op != "const"}
+    d = spec.description
+    return {"inputs": features(d.input), "outputs": features(d.output),
+            "states": features(d.state, state=True),
+            "functions": sorted(spec.mlProgram.functions),
+            "mil_ops": sum(mil.values()), "mil_histogram": mil}
+
+
+def _count_ops(block, ops: Counter) -> None:
+    for op in block.operations:
+        ops[op.type] += 1
+        for inner in op.blocks:
+            _count_ops(inner, ops)
+
+
+def _lint(entry: dict, policy: str, states: dict) -> list[str]:
+    """Where every mutable buffer of the method must be under the policy, and where it is.
+    Core ML names a buffer input `b_<fqn with dots as _>` and a state `<fqn with dots as _>`."""
+    inputs = {f["name"]: f["shape"] for f in entry["inputs"]}
+    core_states = {f["name"]: f["shape"] for f in entry["states"]}
+    known = {fqn.replace(".", "_") for fqn in states}
+    wrong = [f"state {name} belongs to no mutable buffer of the program"
+             for name in sorted(set(core_states) - known)]
+    for fqn, buf in sorted(states.items()):
+        name = fqn.replace(".", "_")
+        as_input, as_state = inputs.get(f"b_{name}"), core_states.get(name)
+        if policy == "io":
+            if as_state is not None or not buf["kept_by_executorch"]:
+                wrong.append(f"{fqn} became a Core ML state, not a delegate input and output")
+            elif as_input is not None and as_input != buf["shape"]:
+                wrong.append(f"{fqn} enters the delegate as {as_input}, not {buf['shape']}")
+        else:
+            if as_state is None or buf["kept_by_executorch"]:
+                wrong.append(f"{fqn} stayed an ExecuTorch buffer"
+                             + (" passed in and out of the delegate" if as_input else "")
+                             + ", not a Core ML state")
+            elif as_state != buf["shape"]:
+                wrong.append(f"{fqn} is a Core ML state of shape {as_state}, not {buf['shape']}")
+    return wrong
+
+
 BACKEND = Backend(
     name="coreml",
     summary="Apple CPU/GPU/Neural Engine through Core ML; static shapes; builds here, runs on device",
@@ -69,5 +192,5 @@ BACKEND = Backend(
     make_partitioners=_partitioners,
     options=CoreMLOptions,
     requires=("coremltools", "executorch.backends.apple.coreml"),
-    keeps_state_in_delegate=lambda options: options.state == "coreml",
+    inspect_delegates=inspect_delegates,
 )
