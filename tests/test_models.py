@@ -7,23 +7,25 @@ from conftest import assert_logits_close, cached_run, reference_run
 from edgellm.errors import InputError
 from edgellm.architectures import build_model
 from edgellm.architectures.layers import ModelOptions
+from edgellm.backends import BACKENDS
 
-FORMULATIONS = [("sdpa", "mean", "copy"), ("sdpa", "rms_norm", "index_put"),
-                ("custom_ops", "linear_mean", "copy")]
+# Every backend's formulation, and the other spellings the options allow
+FORMULATIONS = {name: b.writing for name, b in BACKENDS.items()} | {
+    "window conv, index_put": {"conv": "window", "state_write": "index_put", "norm": "rms_norm"},
+    "matrix rope, folded mean norm": {"rope": "matrix", "norm": "mean", "fold_norms": True}}
 
 
 @pytest.mark.parametrize("arch", ["lfm2", "llama"])
-@pytest.mark.parametrize("attention,norm,state_write", FORMULATIONS)
-def test_eager_matches_transformers(tiny_models, prompt_ids, arch, attention, norm, state_write):
+@pytest.mark.parametrize("writing", FORMULATIONS.values(), ids=FORMULATIONS.keys())
+def test_eager_matches_transformers(tiny_models, prompt_ids, arch, writing):
     _, hf = tiny_models[arch]
     tokens, expected = reference_run(hf, prompt_ids, steps=9)  # prefill + 8 decode calls
-    model = build_model(hf.config, hf.state_dict(), ModelOptions(64, attention, norm, state_write),
-                        torch.float32)
+    model = build_model(hf.config, hf.state_dict(), ModelOptions(64, **writing), torch.float32)
     with torch.no_grad():
         actual = cached_run(model, prompt_ids, tokens)
         # A new sequence at position 0 must not see the previous one's conv state or cache.
         again = cached_run(model, prompt_ids, tokens)
-    assert_logits_close(actual, expected, atol=1e-4, what=f"{arch} {attention}/{norm}")
+    assert_logits_close(actual, expected, atol=1e-4, what=f"{arch} {writing}")
     assert torch.equal(actual, again)
 
 

@@ -13,13 +13,18 @@ model is written decides what a backend receives (see ../shared/reference/loweri
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import InputError
+
 NORMS = ("mean", "rms_norm", "linear_mean")
 ATTENTIONS = ("custom_ops", "sdpa")
+ROPES = ("rotate", "matrix")
+CONVS = ("conv1d", "window")
 
 
 @dataclass(frozen=True)
@@ -30,6 +35,9 @@ class ModelOptions:
     attention: str = "sdpa"
     norm: str = "mean"
     state_write: str = "copy"  # how recurrent state is written back: "copy" or "index_put"
+    rope: str = "rotate"  # "rotate": x*cos + rot(x)*sin; "matrix": one matmul per q and k
+    conv: str = "conv1d"  # LFM2 short conv: "conv1d" (channels-first) or "window" (time-major)
+    fold_norms: bool = False  # fold RMSNorm weights into the linears that follow them
 
 
 @dataclass
@@ -37,29 +45,34 @@ class Step:
     """Per-call values computed once at the top of the model and shared by every layer."""
 
     positions: torch.Tensor  # (T,) absolute positions of this call's tokens
-    start: torch.Tensor  # (1,) input_pos
     start_int: object  # input_pos as an int (SymInt under export) for the custom ops, else None
-    fresh: torch.Tensor  # () 1.0 when this call starts a sequence (input_pos == 0), else 0.0
+    keep: torch.Tensor  # () 0 when this call starts a sequence (input_pos == 0), else 1
+    mask: torch.Tensor | None  # (T, ctx) additive attention mask ("sdpa" attention)
+    rope: Callable  # x (1, T, heads, D) -> x rotated for these positions
+    single: bool  # T is fixed at 1 in this program (a static decode step)
 
 
 class RMSNorm(nn.Module):
     """y = w * x / sqrt(mean(x^2) + eps), computed in float32 like transformers.
 
     mode "mean": x * rsqrt(mean(x*x)) - a few ops everywhere, no overflow guard in fp16.
-    mode "rms_norm": F.rms_norm - one ATen node.
+    mode "rms_norm": F.rms_norm - one ATen node; Core ML expands it with an fp16 overflow guard.
     mode "linear_mean": the mean as a linear with a constant 1/D row, which XNNPACK keeps whole.
+    Without `affine` the weight has been folded into the linears that read the output.
     """
 
-    def __init__(self, dim: int, eps: float, mode: str = "mean"):
+    def __init__(self, dim: int, eps: float, mode: str = "mean", affine: bool = True):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.ones(dim)) if affine else None
         self.eps, self.mode = eps, mode
         if mode == "linear_mean":
             self.register_buffer("mean_row", torch.full((1, dim), 1.0 / dim, device="cpu"),
                                  persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
+        dtype, w = x.dtype, self.weight
+        if self.mode == "rms_norm" and dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), w, eps=self.eps)  # weight inside: one node
         x = x.float()
         if self.mode == "rms_norm":
             y = F.rms_norm(x, (x.shape[-1],), eps=self.eps)
@@ -67,17 +80,36 @@ class RMSNorm(nn.Module):
             y = x * torch.rsqrt(F.linear(x * x, self.mean_row.float()) + self.eps)
         else:
             y = x * torch.rsqrt((x * x).mean(-1, keepdim=True) + self.eps)
-        return self.weight * y.to(dtype)
+        return y.to(dtype) if w is None else w * y.to(dtype)
+
+
+def fold_norm(sd: dict, norm: str, linears: list[str]) -> None:
+    """W @ (w * y) == (W * w) @ y: move RMSNorm weight `norm` into the input columns of
+    `linears` (state-dict keys without `.weight`), leaving the norm without weight."""
+    missing = [k for k in [norm, *linears] if f"{k}.weight" not in sd]
+    if missing:
+        raise InputError(f"Checkpoint lacks {', '.join(f'{k}.weight' for k in missing)}. Check "
+                         "that the weights and config.json come from the same model.")
+    w = sd.pop(f"{norm}.weight").float()
+    for name in linears:
+        sd[f"{name}.weight"] = sd[f"{name}.weight"].float() * w
 
 
 class Rope(nn.Module):
-    """Rotary tables for every position up to max_context_len, gathered per call."""
+    """Rotary tables for every position up to max_context_len, gathered per call.
 
-    def __init__(self, inv_freq: torch.Tensor, scaling: float, max_context_len: int):
+    "rotate": x*cos + rotate_half(x)*sin with rotate_half as a signed permutation (one linear).
+    "matrix": per position one (D, D) matrix diag(cos) + rot^T diag(sin), built once per call
+    and applied to q and k as one matmul each.
+    """
+
+    def __init__(self, inv_freq: torch.Tensor, scaling: float, max_context_len: int,
+                 mode: str = "rotate"):
         super().__init__()
+        self.mode = mode
         pos = torch.arange(max_context_len, dtype=torch.float32)
         freqs = torch.outer(pos, inv_freq.float())
-        emb = torch.cat((freqs, freqs), dim=-1)  # (ctx, head_dim)
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # (ctx, 1, head_dim)
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
         d = emb.shape[-1]
@@ -86,13 +118,38 @@ class Rope(nn.Module):
         rot[torch.arange(half), torch.arange(half) + half] = -1.0
         rot[torch.arange(half) + half, torch.arange(half)] = 1.0
         self.register_buffer("rot", rot, persistent=False)
+        if mode == "matrix":
+            self.register_buffer("eye", torch.eye(d), persistent=False)
+            self.register_buffer("rot_t", rot.T.contiguous(), persistent=False)
 
-    def tables(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        # (T, head_dim) each, broadcast over heads by the caller
-        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
+    def prepare(self, positions: torch.Tensor, dtype):
+        """The rotation for these positions, as a function of x (1, T, heads, D)."""
+        cos, sin = self.cos[positions].to(dtype), self.sin[positions].to(dtype)  # (T, 1, D)
+        if self.mode == "matrix":
+            rotation = self.eye.to(dtype) * cos + self.rot_t.to(dtype) * sin  # (T, D, D)
+            return lambda x: x @ rotation  # batched over T: (heads, D) @ (D, D)
+        rot = self.rot.to(dtype)
+        return lambda x: x * cos + F.linear(x, rot) * sin
 
-    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return x * cos + F.linear(x, self.rot.to(x.dtype)) * sin
+
+def split_heads(x: torch.Tensor, n: int, head_dim: int, step: Step) -> torch.Tensor:
+    """(1, T, n*D) -> (1, T, n, D), which norms and RoPE take. For "sdpa" attention with T fixed
+    at 1, (1, n, 1, D) instead: norms and RoPE work on it unchanged and it is already the cache
+    layout, so no second view reaches the backend."""
+    if step.single and step.mask is not None:
+        return x.view(1, n, 1, head_dim)
+    return x.view(1, x.shape[1], n, head_dim)
+
+
+def to_heads(x: torch.Tensor, step: Step) -> torch.Tensor:
+    """split_heads' result -> (1, n, T, D) for the cache."""
+    return x if step.single else x.transpose(1, 2)
+
+
+def write_at(buffer: torch.Tensor, dim: int, index: torch.Tensor, values: torch.Tensor) -> None:
+    """buffer[..., index, ...] = values along `dim`, as one index_put_ (the `[]=` spelling adds a
+    reshape of the values per write)."""
+    torch.ops.aten.index_put_(buffer, [None] * dim + [index], values)
 
 
 class KVCache(nn.Module):
@@ -116,51 +173,59 @@ class KVCache(nn.Module):
         self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype), persistent=False)
 
     def forward(self, q, k, v, step: Step) -> torch.Tensor:
-        """q (1, T, H, D), k and v (1, T, n_kv, D) -> attention output (1, T, H*D)."""
-        T = q.shape[1]
-        if self.mode == "custom_ops":
+        """q, k and v from split_heads -> attention output (1, T, H*D)."""
+        if self.mode == "custom_ops":  # (1, T, heads, D)
+            T = q.shape[1]
             torch.ops.llama.update_cache(k, self.k_cache, step.start_int)
             torch.ops.llama.update_cache(v, self.v_cache, step.start_int)
             out = torch.ops.llama.custom_sdpa(q, self.k_cache, self.v_cache, step.start_int,
                                               None, 0.0, True, None)
             return out.reshape(1, T, -1)
-        k, v = k.transpose(1, 2), v.transpose(1, 2)  # (1, n_kv, T, D)
-        self.k_cache[:, :, step.positions] = k  # index_put_: one MIL slice_update on Core ML
-        self.v_cache[:, :, step.positions] = v
+        write_at(self.k_cache, 2, step.positions, to_heads(k, step))  # Core ML: one slice_update
+        write_at(self.v_cache, 2, step.positions, to_heads(v, step))
         n_rep = self.n_heads // self.n_kv
+        T = step.positions.shape[0]
+        if step.single:  # q (1, H, 1, D) is (1, n_kv, n_rep, D); the (1, ctx) mask broadcasts
+            out = F.scaled_dot_product_attention(q.view(1, self.n_kv, n_rep, self.head_dim),
+                                                 self.k_cache, self.v_cache, attn_mask=step.mask)
+            return merge_heads(out, n_rep).reshape(1, 1, -1)
         q = q.transpose(1, 2).reshape(1, self.n_kv, n_rep * T, self.head_dim)
-        visible = torch.arange(self.ctx, device=q.device)[None, :] <= step.positions[:, None]
-        mask = torch.zeros(visible.shape, dtype=q.dtype).masked_fill(~visible, float("-inf"))
         out = F.scaled_dot_product_attention(q, self.k_cache, self.v_cache,
-                                             attn_mask=mask.repeat(n_rep, 1))
-        # (1, n_kv, n_rep*T, D) -> (1, n_kv, n_rep, T, D) -> (1, T, H*D). Where SDPA gets
-        # decomposed (portable, Vulkan) its output has permuted strides, and merging the head dims
-        # with a view fails at lowering; the explicit copy makes the merge stride-independent.
+                                             attn_mask=step.mask.repeat(n_rep, 1))
+        # (1, n_kv, n_rep*T, D) -> (1, n_kv, n_rep, T, D) -> (1, T, H*D)
         out = out.view(1, self.n_kv, n_rep, T, self.head_dim).permute(0, 3, 1, 2, 4)
-        if n_rep > 1:
-            out = out.clone(memory_format=torch.contiguous_format)
-        return out.reshape(1, T, -1)
+        return merge_heads(out, n_rep).reshape(1, T, -1)
 
 
-def make_step(input_pos: torch.Tensor, T: int, opts: ModelOptions) -> Step:
-    start_int = None
+def merge_heads(out: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """Where SDPA gets decomposed (portable, Vulkan, and Core ML in a chain, whose next
+    partitioner decomposes what Core ML keeps whole) its output has permuted strides, and the view
+    that merges the grouped head dims fails at lowering. One explicit copy makes the merge
+    stride-independent; without grouping (n_rep == 1) no merge crosses the permuted dims."""
+    return out.clone(memory_format=torch.contiguous_format) if n_rep > 1 else out
+
+
+def make_step(input_pos: torch.Tensor, T: int, opts: ModelOptions, rope: Rope, dtype) -> Step:
+    start_int = mask = None
     if opts.attention == "custom_ops":
         start_int = input_pos[0].item()
         torch._check(start_int >= 0)
         torch._check(start_int + T <= opts.max_context_len)
     positions = input_pos + torch.arange(T, device=input_pos.device)
-    fresh = (input_pos[0] == 0).float()
-    return Step(positions=positions, start=input_pos, start_int=start_int, fresh=fresh)
+    if opts.attention == "sdpa":  # shared by every attention layer: (T, ctx), -inf in the future
+        future = torch.arange(opts.max_context_len)[None, :] > positions[:, None]
+        mask = torch.zeros(future.shape, dtype=dtype).masked_fill(future, float("-inf"))
+    keep = (input_pos[0] != 0).to(dtype)
+    return Step(positions=positions, start_int=start_int, keep=keep, mask=mask,
+                rope=rope.prepare(positions, dtype), single=isinstance(T, int) and T == 1)
 
 
 def run_decoder(lm: nn.Module, tokens: torch.Tensor, input_pos: torch.Tensor, final_norm: nn.Module,
                 head: torch.Tensor) -> torch.Tensor:
     """The top of every architecture: embed, every layer, final norm and head on the last token.
     `lm` has `.opts`, `.rope` and `.model` with `embed_tokens` and `layers`."""
-    step = make_step(input_pos, tokens.shape[1], lm.opts)
     x = lm.model.embed_tokens(tokens)  # (1, T, hidden)
-    cos, sin = lm.rope.tables(step.positions, x.dtype)
-    cos, sin = cos[None, :, None, :], sin[None, :, None, :]  # (1, T, 1, head_dim)
+    step = make_step(input_pos, tokens.shape[1], lm.opts, lm.rope, x.dtype)
     for layer in lm.model.layers:
-        x = layer(x, lm.rope, cos, sin, step)
+        x = layer(x, step)
     return F.linear(final_norm(x[:, -1, :]), head)  # (1, vocab)

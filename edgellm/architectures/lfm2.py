@@ -17,7 +17,7 @@ from torch import nn
 
 from ..errors import InputError
 
-from .layers import KVCache, ModelOptions, RMSNorm, Rope, run_decoder
+from .layers import KVCache, ModelOptions, RMSNorm, Rope, fold_norm, run_decoder, split_heads, write_at
 
 
 def check(cfg) -> list[str]:
@@ -61,40 +61,71 @@ class Attention(nn.Module):
         with torch.device("cpu"):
             self.cache = KVCache(self.n_heads, self.n_kv, hd, opts, dtype)
 
-    def forward(self, x, rope: Rope, cos, sin, step):
-        T = x.shape[1]
-        q = self.q_layernorm(self.q_proj(x).view(1, T, self.n_heads, self.head_dim))
-        k = self.k_layernorm(self.k_proj(x).view(1, T, self.n_kv, self.head_dim))
-        v = self.v_proj(x).view(1, T, self.n_kv, self.head_dim)  # (1, T, n_kv, D)
-        q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
+    def forward(self, x, step):
+        q = self.q_layernorm(split_heads(self.q_proj(x), self.n_heads, self.head_dim, step))
+        k = self.k_layernorm(split_heads(self.k_proj(x), self.n_kv, self.head_dim, step))
+        v = split_heads(self.v_proj(x), self.n_kv, self.head_dim, step)
+        q, k = step.rope(q), step.rope(k)
         return self.out_proj(self.cache(q, k, v, step))
 
 
+class WindowConv(nn.Module):
+    """The depthwise conv's parameters in time-major layout: weight (L, hidden), bias (hidden)."""
+
+    def __init__(self, d: int, L: int, bias: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(L, d))
+        self.bias = nn.Parameter(torch.empty(d)) if bias else None
+
+
 class ShortConv(nn.Module):
+    """"conv1d": state (1, hidden, L-1) and F.conv1d over [state, B*x] channels-first.
+    "window": state (1, L-1, hidden) and a multiply-and-sum over the time-major window, with no
+    transposes (Core ML); the weight is transposed to (L, hidden) at load time."""
+
     def __init__(self, cfg, opts: ModelOptions, dtype):
         super().__init__()
         d, L, bias = cfg.hidden_size, cfg.conv_L_cache, cfg.conv_bias
-        self.state_write = opts.state_write
+        self.state_write, self.window = opts.state_write, opts.conv == "window"
         self.b_proj = nn.Linear(d, d, bias=bias)
         self.c_proj = nn.Linear(d, d, bias=bias)
         self.x_proj = nn.Linear(d, d, bias=bias)
-        self.conv = nn.Conv1d(d, d, kernel_size=L, groups=d, bias=bias)
+        self.conv = (WindowConv(d, L, bias) if self.window
+                     else nn.Conv1d(d, d, kernel_size=L, groups=d, bias=bias))
         self.out_proj = nn.Linear(d, d, bias=bias)
-        self.register_buffer("conv_state", torch.zeros(1, d, L - 1, dtype=dtype, device="cpu"),
+        shape = (1, L - 1, d) if self.window else (1, d, L - 1)
+        self.register_buffer("conv_state", torch.zeros(shape, dtype=dtype, device="cpu"),
                              persistent=False)
         self.register_buffer("state_cols", torch.arange(L - 1, device="cpu"), persistent=False)
 
     def forward(self, x, step):
-        bx = (self.b_proj(x) * self.x_proj(x)).transpose(1, 2)  # (1, D, T)
-        state = self.conv_state * (1.0 - step.fresh).to(x.dtype)
-        window = torch.cat([state, bx], dim=-1)  # (1, D, L-1+T)
-        new_state = window[:, :, -self.conv_state.shape[-1]:]
+        T, keep = x.shape[1], self.conv_state.shape[1 if self.window else 2]
+        bx = self.b_proj(x) * self.x_proj(x)  # (1, T, D)
+        if self.window:
+            window = torch.cat([self.conv_state * step.keep, bx], dim=1)  # (1, L-1+T, D)
+            self._write(window[:, -keep:, :])
+            y = self._window_conv(window, T)
+        else:
+            window = torch.cat([self.conv_state * step.keep, bx.transpose(1, 2)], dim=-1)
+            self._write(window[:, :, -keep:])  # (1, D, L-1)
+            y = F.conv1d(window, self.conv.weight, self.conv.bias,
+                         groups=window.shape[1]).transpose(1, 2)
+        return self.out_proj(self.c_proj(x) * y)
+
+    def _write(self, new_state):
         if self.state_write == "index_put":
-            self.conv_state[:, :, self.state_cols] = new_state
+            write_at(self.conv_state, 1 if self.window else 2, self.state_cols, new_state)
         else:
             self.conv_state.copy_(new_state)
-        y = F.conv1d(window, self.conv.weight, self.conv.bias, groups=window.shape[1])
-        return self.out_proj(self.c_proj(x) * y.transpose(1, 2))
+
+    def _window_conv(self, window, T):
+        """y[t] = sum_k w[k] * window[t + k]: (1, L-1+T, D) -> (1, T, D)."""
+        w = self.conv.weight  # (L, D)
+        if T == 1:
+            y = (window * w).sum(1, keepdim=True)
+        else:
+            y = sum(window[:, k:k + T, :] * w[k] for k in range(w.shape[0]))
+        return y if self.conv.bias is None else y + self.conv.bias
 
 
 class MLP(nn.Module):
@@ -118,12 +149,13 @@ class DecoderLayer(nn.Module):
         else:
             self.conv = ShortConv(cfg, opts, dtype)
         self.feed_forward = MLP(cfg)
-        self.operator_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, opts.norm)
-        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, opts.norm)
+        affine = not opts.fold_norms
+        self.operator_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, opts.norm, affine)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, opts.norm, affine)
 
-    def forward(self, x, rope, cos, sin, step):
+    def forward(self, x, step):
         h = self.operator_norm(x)
-        h = self.self_attn(h, rope, cos, sin, step) if self.is_attention else self.conv(h, step)
+        h = self.self_attn(h, step) if self.is_attention else self.conv(h, step)
         x = x + h
         return x + self.feed_forward(self.ffn_norm(x))
 
@@ -146,8 +178,13 @@ class Lfm2ForCausalLM(nn.Module):
         self.model = Backbone(cfg, opts, dtype)
         with torch.device("cpu"):
             hf_rope = Lfm2RotaryEmbedding(cfg)
-            self.rope = Rope(hf_rope.inv_freq, hf_rope.attention_scaling, opts.max_context_len)
+            self.rope = Rope(hf_rope.inv_freq, hf_rope.attention_scaling, opts.max_context_len,
+                             opts.rope)
         self.state_dict_hooks = (self._split_in_proj, self._drop_tied_head)
+        if opts.conv == "window":
+            self.state_dict_hooks += (self._time_major_conv,)
+        if opts.fold_norms:
+            self.state_dict_hooks += (self._fold_norms,)
 
     def _split_in_proj(self, sd: dict) -> None:
         """HF's fused conv.in_proj (3*hidden rows: B, C, x) -> b_proj, c_proj, x_proj."""
@@ -159,6 +196,22 @@ class Lfm2ForCausalLM(nn.Module):
                 raise_shape(key, tensor, 3 * self.hidden)
             for name, part in zip(("b_proj", "c_proj", "x_proj"), tensor.chunk(3, dim=0)):
                 sd[f"{prefix}.{name}.{leaf}"] = part
+
+    @staticmethod
+    def _time_major_conv(sd: dict) -> None:
+        """conv.conv.weight (hidden, 1, L) -> (L, hidden) for the "window" conv."""
+        for key in [k for k in sd if k.endswith(".conv.conv.weight")]:
+            w = sd[key]
+            sd[key] = w.reshape(w.shape[0], w.shape[-1]).T.contiguous() if w.dim() == 3 else w
+
+    def _fold_norms(self, sd: dict) -> None:
+        """Each block's two norms feed only linears: fold their weights into them."""
+        for i, layer in enumerate(self.model.layers):
+            p = f"model.layers.{i}"
+            mixer = ([f"{p}.self_attn.{n}_proj" for n in "qkv"] if layer.is_attention
+                     else [f"{p}.conv.{n}_proj" for n in ("b", "c", "x")])
+            fold_norm(sd, f"{p}.operator_norm", mixer)
+            fold_norm(sd, f"{p}.ffn_norm", [f"{p}.feed_forward.w1", f"{p}.feed_forward.w3"])
 
     @staticmethod
     def _drop_tied_head(sd: dict) -> None:

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .layers import KVCache, ModelOptions, RMSNorm, Rope, run_decoder
+from .layers import KVCache, ModelOptions, RMSNorm, Rope, fold_norm, run_decoder, split_heads
 
 
 def check(cfg) -> list[str]:
@@ -31,7 +31,7 @@ def rope_for(cfg, opts: ModelOptions) -> Rope:
 
     with torch.device("cpu"):
         hf_rope = LlamaRotaryEmbedding(cfg)
-        return Rope(hf_rope.inv_freq, hf_rope.attention_scaling, opts.max_context_len)
+        return Rope(hf_rope.inv_freq, hf_rope.attention_scaling, opts.max_context_len, opts.rope)
 
 
 class Attention(nn.Module):
@@ -47,12 +47,11 @@ class Attention(nn.Module):
         with torch.device("cpu"):
             self.cache = KVCache(self.n_heads, self.n_kv, self.head_dim, opts, dtype)
 
-    def forward(self, x, rope: Rope, cos, sin, step):
-        T = x.shape[1]
-        q = self.q_proj(x).view(1, T, self.n_heads, self.head_dim)  # (1, T, H, D)
-        k = self.k_proj(x).view(1, T, self.n_kv, self.head_dim)
-        v = self.v_proj(x).view(1, T, self.n_kv, self.head_dim)
-        q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
+    def forward(self, x, step):
+        q = split_heads(self.q_proj(x), self.n_heads, self.head_dim, step)
+        k = split_heads(self.k_proj(x), self.n_kv, self.head_dim, step)
+        v = split_heads(self.v_proj(x), self.n_kv, self.head_dim, step)
+        q, k = step.rope(q), step.rope(k)
         return self.o_proj(self.cache(q, k, v, step))
 
 
@@ -73,11 +72,13 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(cfg, opts, dtype)
         self.mlp = MLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, opts.norm)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, opts.norm)
+        affine = not opts.fold_norms
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, opts.norm, affine)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, opts.norm,
+                                                affine)
 
-    def forward(self, x, rope, cos, sin, step):
-        x = x + self.self_attn(self.input_layernorm(x), rope, cos, sin, step)
+    def forward(self, x, step):
+        x = x + self.self_attn(self.input_layernorm(x), step)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -100,6 +101,16 @@ class LlamaForCausalLM(nn.Module):
         if not self.tied:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.state_dict_hooks = (self._drop_tied_head,)
+        if opts.fold_norms:
+            self.state_dict_hooks += (self._fold_norms,)
+
+    def _fold_norms(self, sd: dict) -> None:
+        """Each block's two norms feed only linears: fold their weights into them."""
+        for i in range(len(self.model.layers)):
+            p = f"model.layers.{i}"
+            fold_norm(sd, f"{p}.input_layernorm", [f"{p}.self_attn.{n}_proj" for n in "qkv"])
+            fold_norm(sd, f"{p}.post_attention_layernorm",
+                      [f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"])
 
     def _drop_tied_head(self, sd: dict) -> None:
         # Tied checkpoints may or may not store lm_head.weight; it is embed_tokens.weight either way.

@@ -9,7 +9,7 @@ written (it receives the graph first), and shapes are static if any backend need
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..errors import BackendUnavailable, InputError
@@ -28,10 +28,10 @@ class Backend:
     name: str
     summary: str
     dynamic_shapes: bool  # can forward take T in 1..max_seq_len, or only T=1
-    attention: str  # how the model writes attention: "custom_ops" (llama:: ops) or "sdpa"
-    norm: str  # how the model writes RMSNorm: see architectures.layers.RMSNorm
     make_partitioners: Callable[[Any], list]  # options -> partitioners
-    state_write: str = "copy"  # how recurrent state (LFM2 conv) is written: "copy" or "index_put"
+    # How the model is written for this backend: fields of architectures.layers.ModelOptions
+    # (attention, norm, state_write, rope, conv, fold_norms); unset ones keep their defaults.
+    writing: dict = field(default_factory=dict)
     options: type = NoOptions  # frozen dataclass of this backend's options
     requires: tuple[str, ...] = ()  # modules its SDK needs, checked before any heavy work
     # (written .pte, options, {method: {buffer: facts}}) -> report entries per delegate; raises
@@ -98,8 +98,7 @@ class Plan:
     def model_options(self, max_context_len: int):
         from ..architectures.layers import ModelOptions
 
-        first = self.backends[0]
-        return ModelOptions(max_context_len, first.attention, first.norm, first.state_write)
+        return ModelOptions(max_context_len=max_context_len, **self.backends[0].writing)
 
     def partitioners(self) -> list:
         return [p for b, o in zip(self.backends, self.options) for p in b.make_partitioners(o)]

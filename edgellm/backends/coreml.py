@@ -187,9 +187,13 @@ BACKEND = Backend(
     name="coreml",
     summary="Apple CPU/GPU/Neural Engine through Core ML; static shapes; builds here, runs on device",
     dynamic_shapes=False,
-    attention="sdpa",
-    norm="mean",
     make_partitioners=_partitioners,
+    # What Core ML receives follows how the model is written (../shared/reference/
+    # lowering-findings.md and docs/design.md): one ATen node per norm whose weight is folded into
+    # the next linear where one follows, RoPE as one matmul, the short conv as a time-major
+    # multiply-and-sum without transposes.
+    writing={"attention": "sdpa", "norm": "rms_norm", "rope": "matrix", "conv": "window",
+             "fold_norms": True},
     options=CoreMLOptions,
     requires=("coremltools", "executorch.backends.apple.coreml"),
     inspect_delegates=inspect_delegates,

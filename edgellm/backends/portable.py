@@ -6,7 +6,6 @@ BACKEND = Backend(
     name="portable",
     summary="no delegate: ExecuTorch portable kernels (slow; for checking)",
     dynamic_shapes=True,
-    attention="sdpa",
-    norm="mean",
     make_partitioners=lambda options: [],
+    writing={"attention": "sdpa", "norm": "mean"},
 )

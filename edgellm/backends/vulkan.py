@@ -16,11 +16,9 @@ BACKEND = Backend(
     name="vulkan",
     summary="Android GPUs through Vulkan; static shapes; builds here, runs on device",
     dynamic_shapes=False,
-    attention="sdpa",
-    norm="mean",
     make_partitioners=_partitioners,
     # The Vulkan partitioner takes over any buffer whose users all sit in its delegate; a conv
     # state written by copy_ then loses its buffer (SpecViolationError). index_put_ stays outside.
-    state_write="index_put",
+    writing={"attention": "sdpa", "norm": "mean", "state_write": "index_put"},
     requires=("executorch.backends.vulkan.partitioner",),
 )

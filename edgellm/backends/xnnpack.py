@@ -18,8 +18,7 @@ BACKEND = Backend(
     name="xnnpack",
     summary="CPU (arm64, x86-64) through XNNPACK; dynamic prompt length",
     dynamic_shapes=True,
-    attention="custom_ops",
-    norm="linear_mean",
     make_partitioners=_partitioners,
+    writing={"attention": "custom_ops", "norm": "linear_mean"},
     requires=("executorch.backends.xnnpack",),
 )
