@@ -215,7 +215,12 @@ class Lfm2ForCausalLM(nn.Module):
 
     @staticmethod
     def _drop_tied_head(sd: dict) -> None:
-        sd.pop("lm_head.weight", None)  # LFM2 always ties the head to embed_tokens
+        """LFM2 ties the head to embed_tokens; a checkpoint may still store a copy of it."""
+        head, embed = sd.pop("lm_head.weight", None), sd.get("model.embed_tokens.weight")
+        if head is not None and embed is not None and not torch.equal(head, embed):
+            raise InputError("Checkpoint tensor lm_head.weight differs from "
+                             "model.embed_tokens.weight, but LFM2 ties its head to the "
+                             "embedding. Check that the weights come from an LFM2 model.")
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
         # LFM2's "embedding_norm" is its final norm; the head is tied to the embedding

@@ -41,9 +41,32 @@ def default_model_path() -> Path:
     return path
 
 
-def load_source(model: str | None) -> Source:
-    """Open a model given on the command line: a folder, a .gguf file, or None for the default."""
-    path = default_model_path() if not model else Path(model)
+def load_source(model: str | None, params: str | None = None, model_class: str | None = None,
+                tokenizer: str | None = None) -> Source:
+    """Open a model: a Hugging Face folder, a .gguf file, an ExecuTorch .pth state dict (described
+    by `params`, an ExecuTorch params JSON), or None for the embedded default. `model_class` (an
+    ExecuTorch model class name) must agree with the model; `tokenizer` replaces its tokenizer."""
+    source = _open(default_model_path() if not model else Path(model), params, model_class)
+    if model_class is not None:
+        check_model_class(model_class, source.hf_config.model_type)
+    if params is not None and Path(model or "").is_dir():
+        check_params(params, model_class, source)
+    if tokenizer is not None:
+        from .hf import tokenizer_writer
+
+        source.write_tokenizer = tokenizer_writer(Path(tokenizer))
+    return source
+
+
+def _open(path: Path, params: str | None, model_class: str | None) -> Source:
+    if path.is_file() and path.suffix.lower() in (".pth", ".pt"):
+        from .executorch import load_executorch
+
+        if params is None or model_class is None:
+            raise InputError(f"{path} is an ExecuTorch state dict, which does not say what model "
+                             "it holds: give params (an ExecuTorch params JSON) and model_class "
+                             "(e.g. lfm2_5_350m), or a Hugging Face folder instead.")
+        return load_executorch(path, Path(params), model_class)
     if path.is_dir():
         from .hf import load_hf_folder
 
@@ -52,8 +75,36 @@ def load_source(model: str | None) -> Source:
         from .gguf import load_gguf
 
         return load_gguf(path)
+    kinds = "a Hugging Face folder (config.json + *.safetensors), a .gguf file or a .pth file"
     if not path.exists():
-        raise InputError(f"Model path {path} does not exist. Give a Hugging Face folder "
-                         "(config.json + *.safetensors) or a .gguf file.")
-    raise InputError(f"Model path {path} is neither a folder nor a .gguf file. Give a Hugging "
-                     "Face folder (config.json + *.safetensors) or a .gguf file.")
+        raise InputError(f"Model path {path} does not exist. Give {kinds}.")
+    raise InputError(f"Model path {path} is none of the model kinds edgellm reads. Give {kinds}.")
+
+
+def check_model_class(model_class: str, model_type: str) -> None:
+    from .executorch import architecture_of
+
+    arch = architecture_of(model_class)
+    if arch != model_type:
+        raise InputError(f"model_class '{model_class}' is a {arch} model, but the checkpoint is "
+                         f"{model_type}; fix model_class (base.model_class).")
+
+
+CHECKED_FIELDS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "vocab_size", "layer_types")
+
+
+def check_params(params: str, model_class: str | None, source: Source) -> None:
+    """An ExecuTorch params JSON given beside a Hugging Face folder must describe the same model."""
+    from .executorch import read_params, hf_config_from_params
+
+    cls = model_class or {"lfm2": "lfm2_5_350m", "llama": "llama3"}.get(
+        source.hf_config.model_type, "llama3")
+    described = hf_config_from_params(read_params(Path(params)), cls)
+    wrong = [f"{f} {getattr(described, f, None)!r} vs {getattr(source.hf_config, f, None)!r}"
+             for f in CHECKED_FIELDS
+             if getattr(described, f, None) != getattr(source.hf_config, f, None)]
+    if wrong:
+        raise InputError(f"params {params} and {source.origin}/config.json describe different "
+                         f"models: {'; '.join(wrong)}. Drop params (the folder's config.json is "
+                         "used) or give the matching file.")

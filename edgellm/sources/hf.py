@@ -91,7 +91,14 @@ def load_hf_folder(folder: Path) -> Source:
         except (OSError, json.JSONDecodeError, AttributeError):
             pass  # generation_config.json is optional; config.json's ids stand
 
-    def write_tokenizer(out: Path) -> bool:
+    return Source(hf_config=cfg, state_dict=state, origin=str(folder),
+                  write_tokenizer=_folder_tokenizer(folder),
+                  bos_id=getattr(cfg, "bos_token_id", None), eos_ids=eos)
+
+
+def _folder_tokenizer(folder: Path):
+    """Copies the folder's tokenizer files beside the program, if it has a tokenizer.json."""
+    def write(out: Path) -> bool:
         if not (folder / "tokenizer.json").is_file():
             return False
         for name in TOKENIZER_FILES:
@@ -99,6 +106,14 @@ def load_hf_folder(folder: Path) -> Source:
                 shutil.copyfile(folder / name, out / name)
         return True
 
-    return Source(hf_config=cfg, state_dict=state, origin=str(folder),
-                  write_tokenizer=write_tokenizer,
-                  bos_id=getattr(cfg, "bos_token_id", None), eos_ids=eos)
+    return write
+
+
+def tokenizer_writer(path: Path):
+    """A tokenizer given apart from the model: a tokenizer.json, or a folder holding one."""
+    if path.is_dir() and (path / "tokenizer.json").is_file():
+        return _folder_tokenizer(path)
+    if path.is_file() and path.suffix == ".json":
+        return lambda out: bool(shutil.copyfile(path, out / "tokenizer.json"))
+    raise InputError(f"Tokenizer {path} is neither a tokenizer.json nor a folder holding one. "
+                     "Give the tokenizer.json of a Hugging Face checkpoint.")
