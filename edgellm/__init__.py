@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from .errors import ConfigError, EdgeLLMError, InputError, VerificationError
 
-__all__ = ["export", "generate", "models", "EdgeLLMError", "InputError", "ConfigError",
+__all__ = ["export", "generate", "models", "compare", "EdgeLLMError", "InputError", "ConfigError",
            "VerificationError"]
 
 
@@ -19,9 +19,12 @@ def resolve_config(model=None, *, config=None, overrides=(), **options):
     """An ExportConfig from a YAML file, `key=value` overrides, then explicit options (in that
     order of precedence, lowest first). Options set to None are left to the file or defaults."""
     from .config import apply_overrides, from_dict, load_yaml
+    from .etconfig import is_executorch, translate
 
     data = load_yaml(config) if config else {}
     data = apply_overrides(data, list(overrides))
+    if is_executorch(data):  # an ExecuTorch export_llm config: base, model, export, backend...
+        data = translate(data)
     data.update({k: v for k, v in options.items() if v is not None})
     if model is not None:
         data["model"] = str(model)
@@ -42,6 +45,14 @@ def generate(pte, prompt: str, n: int = 32, tokenizer=None, on_text=None) -> str
     from .runtime import generate as run
 
     return run(pte, prompt, n=n, tokenizer=tokenizer, on_text=on_text)
+
+
+def compare(a, b, method: str = "forward") -> dict:
+    """Two exports (folders or report.json files) side by side: subgraphs, delegated and
+    non-delegated nodes, deprecation warnings, and every op whose count changed."""
+    from .report import compare as run, load
+
+    return run(load(a), load(b), method=method)
 
 
 def models() -> dict:

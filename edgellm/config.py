@@ -23,16 +23,28 @@ from .errors import ConfigError
 DTYPES = ("fp32", "fp16", "bf16")
 
 
+# quantization recipe -> the backends with kernels for it (edgellm/quantize.py applies them)
+QUANTIZE = {"8da4w": ("xnnpack",), "8da8w": ("xnnpack",)}
+
+
 @dataclass(frozen=True)
 class ExportConfig:
-    model: str | None = None  # HF folder or .gguf file; None: the embedded default
+    model: str | None = None  # HF folder, .gguf or ExecuTorch .pth; None: the embedded default
     output: str = "edgellm-out"
     backends: tuple[str, ...] = ("xnnpack",)
     max_seq_len: int = 128  # longest T one forward call takes
     max_context_len: int | None = None  # KV cache length; defaults to max_seq_len
+    prefill_chunk: int = 0  # >0: also a `prefill` method taking this many tokens per call
     dtype: str = "fp32"
+    quantize: str | None = None  # weight recipe: 8da4w, 8da8w
+    group_size: int | None = None  # quantization group along the input dim; 0: per channel
     etrecord: bool = False
     force: bool = False
+    params: str | None = None  # ExecuTorch params JSON, describing a .pth model
+    model_class: str | None = None  # ExecuTorch model class of a .pth model, e.g. lfm2_5_350m
+    tokenizer: str | None = None  # tokenizer.json (or its folder) to ship instead of the model's
+    bos_id: int | None = None  # override the checkpoint's BOS id
+    eos_ids: tuple[int, ...] | None = None  # override the checkpoint's EOS ids
     backend_options: Mapping[str, Any] = field(default_factory=dict, metadata={"internal": True})
 
     @property
@@ -64,10 +76,14 @@ def _check_value(name: str, tp, value, problems: list[str]):
         tp = next(a for a in args if a is not type(None))
         origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin is tuple:
-        if isinstance(value, str):
-            value = [v.strip() for v in value.split(",") if v.strip()]
-        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
-            problems.append(f"{name}: expected a list of names, got {value!r}")
+        item = args[0]
+        if isinstance(value, (str, int)) and not isinstance(value, bool):
+            value = [v.strip() for v in str(value).split(",") if v.strip()]
+            value = [int(v) if item is int and v.lstrip("-").isdigit() else v for v in value]
+        if not isinstance(value, (list, tuple)) or not all(
+                isinstance(v, item) and not isinstance(v, bool) for v in value):
+            what = "integers" if item is int else "names"
+            problems.append(f"{name}: expected a list of {what}, got {value!r}")
             return None
         return tuple(value)
     if tp is bool:
@@ -138,6 +154,10 @@ def from_dict(data: Mapping[str, Any]) -> ExportConfig:
     if cfg is not None:
         problems.extend(_problems(cfg))
         problems.extend(check_chain(cfg.backends))
+        for name in cfg.backends:
+            backend, opts = BACKENDS.get(name), options.get(name)
+            if backend and backend.config_problems and not problems:
+                problems.extend(backend.config_problems(cfg, opts or backend.options()))
         for name in options:
             if name not in cfg.backends:
                 problems.append(f"options given for backend '{name}', which is not in backends "
@@ -151,9 +171,28 @@ def _problems(cfg: ExportConfig) -> list[str]:
     out = []
     if cfg.dtype not in DTYPES:
         out.append(f"dtype: '{cfg.dtype}' is not one of {', '.join(DTYPES)}")
+    if cfg.quantize is not None and cfg.quantize not in QUANTIZE:
+        out.append(f"quantize: '{cfg.quantize}' is not one of {', '.join(QUANTIZE)}")
+    elif cfg.quantize and cfg.backends and cfg.backends[0] not in QUANTIZE[cfg.quantize]:
+        out.append(f"quantize: {cfg.quantize} (8-bit dynamic activations) runs on "
+                   f"{', '.join(QUANTIZE[cfg.quantize])} kernels, not on {cfg.backends[0]}; "
+                   "choose that backend or drop quantize")
+    if cfg.group_size is not None and cfg.quantize is None:
+        out.append(f"group_size: {cfg.group_size} is set but quantize is not; set quantize "
+                   f"(one of {', '.join(QUANTIZE)}) or drop group_size")
+    if isinstance(cfg.group_size, int) and cfg.group_size < 0:
+        out.append(f"group_size: {cfg.group_size} is negative; use 0 for per-channel")
+    if cfg.params is not None and (cfg.model is None or str(cfg.model).endswith(".gguf")):
+        out.append("params: an ExecuTorch params JSON describes a .pth checkpoint (or is checked "
+                   f"against a Hugging Face folder), but model is {cfg.model!r}; a GGUF carries "
+                   "its own config")
     if isinstance(cfg.max_seq_len, int) and not 1 <= cfg.max_seq_len <= 131072:
         out.append(f"max_seq_len: {cfg.max_seq_len} is out of range 1..131072")
-    ctx = cfg.max_context_len
+    chunk, ctx = cfg.prefill_chunk, cfg.max_context_len
+    if isinstance(chunk, int) and isinstance(cfg.context_len, int) and not (
+            0 <= chunk <= cfg.context_len):
+        out.append(f"prefill_chunk: {chunk} is out of range 0..{cfg.context_len} "
+                   "(max_context_len); 0 means no prefill method")
     if isinstance(ctx, int) and isinstance(cfg.max_seq_len, int) and ctx < cfg.max_seq_len:
         out.append(f"max_context_len: {ctx} is smaller than max_seq_len {cfg.max_seq_len}; "
                    "the cache must hold at least one full call")

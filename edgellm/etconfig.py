@@ -1,0 +1,239 @@
+"""ExecuTorch `export_llm` YAML configs, read as edgellm configs.
+
+A config (or a `+section.key=value` override) whose top-level keys are ExecuTorch's sections
+(`base`, `model`, `export`, `quantization`, `backend`, `debug`) is translated field by field into
+edgellm's own keys. Every field edgellm honours maps onto a setting that takes effect; every other
+field is refused by name with the reason, never silently dropped (ExecuTorch's own flow parses
+`enable_state` and `preserve_sdpa` and then reads neither: pytorch/executorch #22352).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Mapping
+
+from .errors import ConfigError
+
+SECTIONS = ("base", "model", "export", "quantization", "backend", "debug")
+NOT_YET = "edgellm does not support it yet"
+
+
+def is_executorch(data: Mapping) -> bool:
+    return bool(data) and set(data) <= set(SECTIONS) | {"multimethod"}
+
+
+def translate(data: Mapping[str, Any]) -> dict:
+    """ExecuTorch LlmConfig fields -> edgellm config keys; raises ConfigError listing every field
+    that cannot be honoured."""
+    out: dict[str, Any] = {}
+    problems: list[str] = []
+    for section, handler in (("base", _base), ("model", _model), ("export", _export),
+                             ("quantization", _quantization), ("debug", _debug)):
+        fields = data.get(section) or {}
+        if not isinstance(fields, Mapping):
+            problems.append(f"{section}: expected a mapping of fields, got {fields!r}")
+            continue
+        for key, value in fields.items():
+            handler(f"{section}.{key}", key, value, out, problems)
+    _backends(data.get("backend") or {}, out, problems)
+    output_folder(out)
+    if data.get("multimethod"):
+        problems.append(f"multimethod: {NOT_YET} (edgellm exports forward and, with "
+                        "prefill_chunk, prefill)")
+    if problems:
+        raise ConfigError(problems)
+    return out
+
+
+def _base(name, key, value, out, problems):
+    if key == "model_class":
+        out["model_class"] = value
+    elif key == "params":
+        out["params"] = value
+    elif key == "checkpoint":
+        out["model"] = value
+    elif key == "tokenizer_path":
+        out["tokenizer"] = value
+    elif key == "metadata":
+        _metadata(name, value, out, problems)
+    else:
+        problems.append(_refused(name, value))
+
+
+def _metadata(name, value, out, problems):
+    try:
+        meta = json.loads(value) if isinstance(value, str) else value
+    except json.JSONDecodeError as e:
+        problems.append(f"{name}: not valid JSON ({e.msg} at column {e.colno})")
+        return
+    if not isinstance(meta, Mapping):
+        problems.append(f"{name}: expected a JSON object, got {value!r}")
+        return
+    for key, v in meta.items():
+        if key == "get_bos_id":
+            out["bos_id"] = v
+        elif key == "get_eos_ids":
+            out["eos_ids"] = v
+        else:
+            problems.append(f"{name}: key '{key}' is not supported; edgellm writes its own "
+                            "runner metadata and takes get_bos_id and get_eos_ids from here")
+
+
+def _model(name, key, value, out, problems):
+    if key == "dtype_override":
+        out["dtype"] = value
+    elif key == "use_kv_cache":
+        if value is not True:
+            problems.append(f"{name}: {value!r}; edgellm programs always keep a KV cache "
+                            "(use_kv_cache: true)")
+    elif key == "enable_dynamic_shape":
+        out["_dynamic"] = value  # checked against the backends below
+    elif key == "use_sdpa_with_kv_cache":
+        out["_custom_sdpa"] = value  # checked against the backends below
+    else:
+        problems.append(_refused(name, value))
+
+
+def _export(name, key, value, out, problems):
+    if key == "max_seq_length":
+        out["max_seq_len"] = value
+    elif key == "max_context_length":
+        out["max_context_len"] = value
+    elif key == "output_name":
+        out["_output_name"] = value
+    elif key == "output_dir":
+        out["_output_dir"] = value
+    else:
+        problems.append(_refused(name, value))
+
+
+def _quantization(name, key, value, out, problems):
+    if value is None:
+        return
+    if key == "qmode":
+        out["quantize"] = value
+    elif key == "group_size":
+        out["group_size"] = value
+    elif key == "use_hqq":  # ExecuTorch's default; edgellm's recipes use HQQ scales too
+        if value is not True:
+            problems.append(f"{name}: false is not supported; edgellm chooses scales with HQQ")
+    else:
+        problems.append(_refused(name, value))
+
+
+def _debug(name, key, value, out, problems):
+    if key == "generate_etrecord":
+        out["etrecord"] = value
+    elif key == "verbose" and value in (False, None):
+        pass
+    else:
+        problems.append(_refused(name, value))
+
+
+def _refused(name: str, value) -> str:
+    return f"{name}: {value!r} is not supported; {NOT_YET}. Remove it to continue"
+
+
+BACKEND_FIELDS = {
+    "coreml": {"ios": "min_ios", "compute_units": "compute_units"},
+    "xnnpack": {},
+    "vulkan": {},
+}
+
+
+def _backends(section, out, problems):
+    if not isinstance(section, Mapping):
+        problems.append(f"backend: expected a mapping of backends, got {section!r}")
+        return
+    chain = []
+    for backend, fields in section.items():
+        fields = dict(fields or {})
+        if not fields.pop("enabled", False):
+            continue
+        if backend == "mlx":
+            problems.append(_mlx_unavailable())
+            continue
+        if backend not in BACKEND_FIELDS:
+            problems.append(f"backend.{backend}: edgellm has no {backend} backend; supported: "
+                            f"{', '.join(BACKEND_FIELDS)}")
+            continue
+        chain.append(backend)
+        options = {}
+        for key, value in fields.items():
+            target = BACKEND_FIELDS[backend].get(key)
+            if target:
+                options[target] = value
+            else:
+                _backend_field(backend, key, value, options, problems)
+        if options:
+            out[backend] = options
+    if chain:
+        out["backends"] = chain
+    _check_shapes(chain, out, problems)
+
+
+def _backend_field(backend, key, value, options, problems):
+    name = f"backend.{backend}.{key}"
+    if backend == "coreml" and key == "enable_state":
+        options["state"] = "coreml" if value else "io"
+    elif backend == "coreml" and key == "preserve_sdpa":
+        options["_preserve_sdpa"] = value  # checked once min_ios is known
+    elif backend == "xnnpack" and key == "extended_ops":
+        if value is not True:
+            problems.append(f"{name}: false is not supported; edgellm hands XNNPACK every op it "
+                            "supports (extended_ops: true)")
+    else:
+        problems.append(_refused(name, value))
+
+
+def _check_shapes(chain, out, problems):
+    dynamic = out.pop("_dynamic", None)
+    static = [b for b in chain if b != "xnnpack"]
+    if dynamic is True and static:
+        problems.append(f"model.enable_dynamic_shape: true, but {static[0]} programs take one "
+                        "token per call (static shapes); set it to false")
+    if dynamic is False and chain == ["xnnpack"]:
+        problems.append("model.enable_dynamic_shape: false is not supported for xnnpack; "
+                        "edgellm's XNNPACK programs take 1..max_seq_len tokens per call")
+    custom = out.pop("_custom_sdpa", None)
+    if custom is True and chain and chain[0] != "xnnpack":
+        problems.append(f"model.use_sdpa_with_kv_cache: true asks for ExecuTorch's "
+                        f"llama::custom_sdpa, which {chain[0]} cannot run; set it to false")
+    if custom is False and chain and chain[0] == "xnnpack":
+        problems.append("model.use_sdpa_with_kv_cache: false is not supported for xnnpack; "
+                        "edgellm's XNNPACK programs use llama::custom_sdpa")
+    coreml = out.get("coreml", {})
+    preserve = coreml.pop("_preserve_sdpa", None)
+    ios = coreml.get("min_ios", 18)
+    if preserve is True and isinstance(ios, int) and ios < 18:
+        problems.append(f"backend.coreml.preserve_sdpa: true needs ios 18 or later (Core ML's "
+                        f"fused attention op), got ios {ios}")
+    if preserve is False and isinstance(ios, int) and ios >= 18:
+        problems.append("backend.coreml.preserve_sdpa: false is not supported with ios 18; "
+                        "edgellm hands Core ML fused attention from iOS 18 on. Set ios: 17 for "
+                        "decomposed attention")
+
+
+def _mlx_unavailable() -> str:
+    import importlib
+
+    try:
+        importlib.import_module("executorch.backends.mlx")
+        reason = "edgellm has no MLX backend yet"
+    except ImportError as e:
+        reason = (f"its lowering is not available in the Linux ExecuTorch wheel "
+                  f"(importing executorch.backends.mlx fails: {e})")
+    return (f"backend.mlx: MLX cannot be used: {reason}. Export for Core ML "
+            "(backend.coreml.enabled: true) to run on Apple hardware")
+
+
+def output_folder(out: dict) -> None:
+    """export.output_name NAME.pte (in export.output_dir) -> the output folder NAME, which
+    holds model.pte beside its tokenizer, report and ETRecord."""
+    name, folder = out.pop("_output_name", None), out.pop("_output_dir", None)
+    if name is not None:
+        path = Path(str(name))
+        out["output"] = str(Path(folder or ".") / path.with_name(path.name.removesuffix(".pte")))
+    elif folder is not None:
+        out["output"] = str(Path(folder) / "edgellm-out")

@@ -1,0 +1,43 @@
+"""Weight quantization recipes, applied to the eager model before torch.export, through torchao.
+
+A recipe is a torchao config handed to `quantize_`; nothing here quantizes by hand. The recipes
+match ExecuTorch `export_llm`'s `qmode` of the same name (HQQ scale search, group size 128 unless
+given, linears whose input width the group does not divide left in float), so an ExecuTorch YAML
+config means the same thing here.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from .errors import InputError
+
+DEFAULT_GROUP = 128
+BITS = {"8da4w": 4, "8da8w": 8}  # weight bits per recipe (config.QUANTIZE names the backends)
+
+
+def quantize(model: nn.Module, recipe: str, group_size: int | None) -> int:
+    """Quantize the model's nn.Linear weights in place; returns how many were quantized."""
+    import torch
+    from torchao.quantization import Int8DynamicActivationIntxWeightConfig, quantize_
+    from torchao.quantization.granularity import PerAxis, PerGroup
+
+    bits = BITS[recipe]
+    group = DEFAULT_GROUP if group_size is None else group_size
+    chosen = []
+
+    def linear_fits(module, fqn):
+        fits = isinstance(module, nn.Linear) and (group == 0 or module.in_features % group == 0)
+        if fits:
+            chosen.append(fqn)
+        return fits
+
+    quantize_(model, Int8DynamicActivationIntxWeightConfig(
+        weight_dtype=torch.int4 if bits == 4 else torch.int8,
+        weight_granularity=PerAxis(0) if group == 0 else PerGroup(group),
+        intx_choose_qparams_algorithm="hqq_scale_only"), filter_fn=linear_fits)
+    if not chosen:
+        raise InputError(f"quantize: no linear layer's input width is a multiple of group_size "
+                         f"{group}; choose a group size that divides the hidden size, or 0 for "
+                         "per-channel")
+    return len(chosen)

@@ -1,0 +1,167 @@
+"""ExecuTorch `export_llm` configs run unchanged: the seed's command shape on a tiny checkpoint,
+every field honoured or refused by name."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import edgellm
+from edgellm.cli import main
+from edgellm.etconfig import translate
+
+CONFIGS = Path(__file__).parent / "data" / "executorch-lfm2-params"
+
+
+@pytest.fixture(scope="module")
+def lfm2_pth(tiny_models, tmp_path_factory):
+    """The tiny LFM2 as ExecuTorch's own converter writes it, with a params JSON of its shape."""
+    from executorch.examples.models.lfm2.convert_weights import convert_weights
+
+    folder, hf = tiny_models["lfm2"]
+    out = tmp_path_factory.mktemp("pth")
+    convert_weights(str(folder), str(out / "model.pth"))
+    cfg = hf.config
+    (out / "params.json").write_text(json.dumps(dict(
+        dim=cfg.hidden_size, n_layers=cfg.num_hidden_layers, n_heads=cfg.num_attention_heads,
+        n_kv_heads=cfg.num_key_value_heads, vocab_size=cfg.vocab_size,
+        hidden_dim=cfg.intermediate_size, ffn_dim_multiplier=1, norm_eps=cfg.norm_eps,
+        rope_theta=cfg.rope_parameters["rope_theta"], use_scaled_rope=False, use_hf_rope=True,
+        use_qk_norm=True, qk_norm_before_rope=True, layer_types=list(cfg.layer_types))))
+    return out, folder, hf
+
+
+def seed_command(config: str, pth, out: Path) -> list[str]:
+    """ExecuTorch's test plan for the seed, with a tiny checkpoint and short sequences."""
+    return ["export", "--config", str(CONFIGS / config), "+base.model_class=lfm2_350m",
+            f"+base.params={pth / 'params.json'}", f"+base.checkpoint={pth / 'model.pth'}",
+            "+export.max_seq_length=16", "+export.max_context_length=16",
+            f"+export.output_name={out}.pte", "--quiet"]
+
+
+def test_coreml_config_runs_unchanged(lfm2_pth, tmp_path, capsys):
+    pth, _, _ = lfm2_pth
+    assert main(seed_command("lfm2_coreml_fp32.yaml", pth, tmp_path / "lfm2_coreml")) == 0
+    report = json.loads((tmp_path / "lfm2_coreml" / "report.json").read_text())
+    assert report["backends"] == ["coreml"] and report["max_seq_len"] == 16
+    [delegate] = report["delegates"]["coreml"]
+    # enable_state: True -> Core ML states; ios 18 and preserve_sdpa -> fused attention
+    assert len(delegate["states"]) == 6 and delegate["min_deployment_target"] == "iOS18"
+    assert delegate["compute_units"] == "cpu_and_ne"
+    assert delegate["mil_histogram"]["scaled_dot_product_attention"] == 2
+    assert (tmp_path / "lfm2_coreml" / "model.pte").stat().st_size == report["pte_bytes"]
+
+
+@pytest.mark.parametrize("config", ["lfm2_xnnpack_fp32.yaml", "lfm2_xnnpack_q8da4w.yaml"])
+def test_xnnpack_configs_run_unchanged_and_the_program_runs(lfm2_pth, prompt_ids, tmp_path,
+                                                            config):
+    from conftest import cached_run, reference_run
+    from edgellm.numerics import compare
+    from edgellm.runtime import Program
+
+    pth, _, hf = lfm2_pth
+    assert main(seed_command(config, pth, tmp_path / "x")) == 0
+    report = json.loads((tmp_path / "x" / "report.json").read_text())
+    assert report["backends"] == ["xnnpack"]
+    program = Program(tmp_path / "x" / "model.pte")
+    assert program.meta["get_bos_id"] == 1 and program.meta["get_eos_ids"] == [7]  # base.metadata
+    tokens, expected = reference_run(hf, prompt_ids, steps=4)
+    c = compare(cached_run(program.forward, prompt_ids, tokens), expected)
+    if "q8da4w" in config:
+        assert [s["name"] for s in report["stages"]].count("quantize") == 1
+        assert c.sqnr_db > 15 and c.argmax_agree >= 0.75, c  # 4-bit weights: close, not equal
+    else:
+        assert c.max_abs < 1e-4 and c.argmax_agree == 1.0, c
+
+
+def test_mlx_config_says_why_it_cannot_run(lfm2_pth, tmp_path, capsys):
+    pth, _, _ = lfm2_pth
+    assert main(seed_command("lfm2_mlx_4w.yaml", pth, tmp_path / "m")) == 2
+    err = capsys.readouterr().err
+    assert "backend.mlx: MLX cannot be used: its lowering is not available in the Linux " \
+           "ExecuTorch wheel" in err
+    assert "Traceback" not in err and not (tmp_path / "m").exists()
+
+
+def test_hf_folder_as_checkpoint_is_checked_against_params(lfm2_pth, tmp_path):
+    pth, folder, _ = lfm2_pth
+    params = json.loads((pth / "params.json").read_text())
+    params["dim"] = 128
+    (tmp_path / "wrong.json").write_text(json.dumps(params))
+    with pytest.raises(edgellm.InputError, match=r"describe different models: hidden_size 128 "
+                       r"vs 64"):
+        edgellm.export(config=str(CONFIGS / "lfm2_xnnpack_fp32.yaml"), quiet=True, overrides=[
+            "base.model_class=lfm2_350m", f"base.params={tmp_path / 'wrong.json'}",
+            f"base.checkpoint={folder}", f"export.output_name={tmp_path / 'o'}"])
+    assert not (tmp_path / "o").exists()
+
+
+BASE = {"backend": {"coreml": {"enabled": True, "ios": 18}},
+        "model": {"enable_dynamic_shape": False}}
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"model": {"use_shared_embedding": True}},
+     r"model\.use_shared_embedding: True is not supported; edgellm does not support it yet"),
+    ({"model": {"use_kv_cache": False}}, r"always keep a KV cache"),
+    ({"model": {"enable_dynamic_shape": True}},
+     r"enable_dynamic_shape: true, but coreml programs take one token per call"),
+    ({"backend": {"coreml": {"enabled": True, "ios": 17, "preserve_sdpa": True}}},
+     r"preserve_sdpa: true needs ios 18 or later"),
+    ({"backend": {"coreml": {"enabled": True, "ios": 18, "preserve_sdpa": False}}},
+     r"preserve_sdpa: false is not supported with ios 18.*Set ios: 17"),
+    ({"backend": {"coreml": {"enabled": True, "quantize": "c4w"}}},
+     r"backend\.coreml\.quantize: 'c4w' is not supported"),
+    ({"backend": {"qnn": {"enabled": True}}}, r"backend\.qnn: edgellm has no qnn backend"),
+    ({"base": {"metadata": "{not json"}}, r"base\.metadata: not valid JSON"),
+    ({"base": {"metadata": '{"get_max_seq_len": 9}'}},
+     r"base\.metadata: key 'get_max_seq_len' is not supported"),
+    ({"quantization": {"pt2e_quantize": "xnnpack_dynamic"}},
+     r"quantization\.pt2e_quantize: 'xnnpack_dynamic' is not supported"),
+])
+def test_fields_edgellm_cannot_honour_are_refused_by_name(change, match):
+    data = {**BASE, **change}
+    with pytest.raises(edgellm.ConfigError, match=match):
+        translate(data)
+
+
+def test_every_problem_is_reported_at_once():
+    with pytest.raises(edgellm.ConfigError) as e:
+        translate({"model": {"use_kv_cache": False, "quantize_kv_cache": True},
+                   "backend": {"vulkan": {"enabled": True, "force_fp16": True}}})
+    assert len(e.value.problems) == 3, e.value.problems
+
+
+def test_fields_map_onto_settings_that_take_effect():
+    out = translate({"base": {"metadata": '{"get_bos_id": 1, "get_eos_ids": [7]}'},
+                     "model": {"dtype_override": "fp16", "use_kv_cache": True},
+                     "export": {"max_seq_length": 64, "output_dir": "exports",
+                                "output_name": "m.pte"},
+                     "backend": {"coreml": {"enabled": True, "ios": 17, "enable_state": False,
+                                            "compute_units": "cpu_only"}},
+                     "debug": {"generate_etrecord": True}})
+    assert out == {"bos_id": 1, "eos_ids": [7], "dtype": "fp16", "max_seq_len": 64,
+                   "backends": ["coreml"], "output": str(Path("exports") / "m"),
+                   "coreml": {"min_ios": 17, "state": "io", "compute_units": "cpu_only"},
+                   "etrecord": True}
+
+
+def test_compare_prints_the_seed_table_for_two_real_exports(tiny_models, tmp_path, capsys):
+    folder = tiny_models["lfm2"][0]
+    for name, backend in (("a", "coreml"), ("b", "coreml,xnnpack")):
+        edgellm.export(folder, output=tmp_path / name, backends=backend, max_seq_len=8,
+                       quiet=True)
+    c = edgellm.compare(tmp_path / "a", tmp_path / "b" / "report.json")
+    a = json.loads((tmp_path / "a" / "report.json").read_text())["methods"]["forward"]
+    assert c["rows"]["A"]["delegated_nodes"] == a["delegation"]["delegated_nodes"]
+    # the chain's XNNPACK pass decomposes the SDPA Core ML keeps whole
+    assert c["op_deltas"]["aten_scaled_dot_product_attention_default"][1] == 0
+    assert main(["compare", str(tmp_path / "a"), str(tmp_path / "b")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split("\t") == ["", "subgraphs", "delegated nodes", "non-delegated",
+                                  "deprecation warnings"]
+    row = out[1].split("\t")
+    assert row[0] == str(tmp_path / "a") and int(row[2]) == c["rows"]["A"]["delegated_nodes"]
+    assert any("aten_scaled_dot_product_attention_default" in line and "(-2)" in line
+               for line in out)
