@@ -49,14 +49,35 @@ def summarize(config, folder, log):
                deprecation_warnings=report["deprecation_warnings"])
     if config.startswith("xnnpack"):
         row.update(decode_speed(Path(folder) / "model.pte"))
+    if report.get("delegates", {}).get("coreml"):
+        forward = next(d for d in report["delegates"]["coreml"] if d["method"] == "forward")
+        row.update(mil_ops=forward["mil_ops"], mil_histogram=forward["mil_histogram"],
+                   core_ml_states=len(forward["states"]))
     print(json.dumps(row))
+
+
+def core_ml_payload(pte: Path) -> dict:
+    """MIL figures of the forward Core ML delegate of any program (the reference's included)."""
+    from edgellm.backends.coreml import _describe, _payloads
+
+    for method, _, _, package in _payloads(pte):
+        if method == "forward":
+            d = _describe(package, method)
+            return dict(mil_ops=d["mil_ops"], mil_histogram=d["mil_histogram"],
+                        core_ml_states=len(d["states"]))
+    return {}
 
 
 def table(anchor_path, ours_path):
     anchor = {r["config"]: r for r in map(json.loads, Path(anchor_path).read_text().splitlines())}
     ours = {r["config"]: r for r in map(json.loads, Path(ours_path).read_text().splitlines())}
+    for c, row in anchor.items():
+        pte = Path(anchor_path).parent / f"anchor_{c}.pte"
+        if c.startswith("coreml") and pte.is_file():
+            row.update(core_ml_payload(pte))
     keys = ["wall_s", "peak_rss_mb", "pte_bytes", "delegated_subgraphs", "delegated_nodes",
-            "non_delegated_nodes", "deprecation_warnings", "decode_tok_s", "prefill_tok_s"]
+            "non_delegated_nodes", "deprecation_warnings", "mil_ops", "core_ml_states",
+            "decode_tok_s", "prefill_tok_s"]
     out = {}
     print(f"| config | figure | export_llm | edgellm | ratio |\n|---|---|---|---|---|")
     for c in ours:
@@ -68,6 +89,12 @@ def table(anchor_path, ours_path):
             ratio = round(e[k] / a[k], 3) if a[k] else None
             out[c]["ratio"][k] = ratio
             print(f"| {c} | {k} | {a[k]} | {e[k]} | {ratio} |")
+        if "mil_histogram" in a and "mil_histogram" in e:
+            print(f"\nMIL operations of {c} (constants excluded):\n\n"
+                  "| MIL op | export_llm | edgellm |\n|---|---|---|")
+            for op in sorted(set(a["mil_histogram"]) | set(e["mil_histogram"])):
+                print(f"| {op} | {a['mil_histogram'].get(op, 0)} | "
+                      f"{e['mil_histogram'].get(op, 0)} |")
     print(json.dumps(out))
 
 

@@ -1,6 +1,8 @@
 """torch.export of the program's methods: `forward(tokens[1, T], input_pos[1]) -> logits[1, V]`.
 
 T is dynamic (1..max_seq_len) when every backend in the chain takes dynamic shapes, else fixed at 1.
+`prefill` is the same module exported with T fixed at a chunk length: both methods write the
+same buffers, which the lowering plans at the same place for both (share_mutable_buffers).
 """
 
 from __future__ import annotations
@@ -22,3 +24,13 @@ def export_forward(model: torch.nn.Module, max_seq_len: int, dynamic: bool) -> E
         shapes, args = None, example_inputs(1)
     with torch.no_grad():
         return torch.export.export(model, args, dynamic_shapes=shapes, strict=False)
+
+
+def export_methods(model: torch.nn.Module, max_seq_len: int, dynamic: bool,
+                   prefill_chunk: int) -> dict[str, ExportedProgram]:
+    programs = {"forward": export_forward(model, max_seq_len, dynamic)}
+    if prefill_chunk:
+        with torch.no_grad():
+            programs["prefill"] = torch.export.export(model, example_inputs(prefill_chunk),
+                                                      strict=False)
+    return programs

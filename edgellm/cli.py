@@ -25,7 +25,11 @@ def _export_parser(sub):
     p.add_argument("-o", "--output", help="output folder (default edgellm-out)")
     p.add_argument("--max-seq-len", type=int, help="longest prompt chunk one call takes")
     p.add_argument("--max-context-len", type=int, help="KV cache length (default max-seq-len)")
+    p.add_argument("--prefill-chunk", type=int,
+                   help="also export a `prefill` method taking this many tokens per call")
     p.add_argument("--dtype", choices=("fp32", "fp16", "bf16"))
+    p.add_argument("--quantize", help="weight recipe: 8da4w, 8da8w (xnnpack)")
+    p.add_argument("--group-size", type=int, help="quantization group size (0: per channel)")
     p.add_argument("--etrecord", action="store_true", default=None,
                    help="also write etrecord.bin for ExecuTorch's devtools")
     p.add_argument("--force", action="store_true", default=None,
@@ -45,7 +49,8 @@ def cmd_export(a) -> int:
     report = export(models[0] if models else None, config=a.config, overrides=overrides,
                     quiet=a.quiet or a.json, output=a.output, backends=a.backends,
                     max_seq_len=a.max_seq_len, max_context_len=a.max_context_len,
-                    dtype=a.dtype, etrecord=a.etrecord, force=a.force)
+                    prefill_chunk=a.prefill_chunk, dtype=a.dtype, quantize=a.quantize,
+                    group_size=a.group_size, etrecord=a.etrecord, force=a.force)
     print(json.dumps(report) if a.json else summary(report))
     return 0
 
@@ -78,12 +83,15 @@ def cmd_models(a) -> int:
 
 def quiet_libraries() -> None:
     """Keep the terminal to edgellm's own lines: the libraries below warn about their own internals
-    (deprecations inside torch and coremltools, optional torchao kernels for GPUs). Lowering still
+    (deprecations inside torch and coremltools, optional torchao kernels for GPUs) and draw
+    progress bars of their own. Lowering still
     counts deprecation warnings for the report; --debug shows everything."""
     import logging
+    import os
     import warnings
 
     warnings.simplefilter("ignore")
+    os.environ.setdefault("TQDM_DISABLE", "1")  # coremltools' per-pass progress bars
     for name in ("torchao", "torch.utils._pytree", "coremltools",
                  "executorch.backends.apple.coreml.compiler.coreml_preprocess"):
         logging.getLogger(name).setLevel(logging.ERROR)
@@ -93,6 +101,15 @@ def raise_input(msg: str):
     from .errors import InputError
 
     raise InputError(msg)
+
+
+def cmd_compare(a) -> int:
+    from . import compare
+    from .report import compare_table
+
+    result = compare(a.a, a.b, method=a.method)
+    print(json.dumps(result) if a.json else compare_table(result, (a.a, a.b)))
+    return 0
 
 
 def main(argv=None) -> int:
@@ -106,6 +123,11 @@ def main(argv=None) -> int:
     g.add_argument("-n", type=int, default=32, help="tokens to generate (default 32)")
     g.add_argument("--tokenizer", help="tokenizer.json (default: beside the program)")
     sub.add_parser("models", help="architectures, backends and supported combinations")
+    c = sub.add_parser("compare", help="two exports side by side: delegation and per-op deltas")
+    c.add_argument("a", metavar="A", help="export folder or its report.json")
+    c.add_argument("b", metavar="B", help="export folder or its report.json")
+    c.add_argument("--method", default="forward", help="method to compare (default forward)")
+    c.add_argument("--json", action="store_true", help="print the comparison as one JSON object")
     a, extra = parser.parse_known_args(argv)
     if a.command == "export" and not any(x.startswith("-") for x in extra):
         a.args += extra  # MODEL and key=value may come after the options too
@@ -113,7 +135,8 @@ def main(argv=None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if not a.debug:
         quiet_libraries()
-    run = {"export": cmd_export, "generate": cmd_generate, "models": cmd_models}[a.command]
+    run = {"export": cmd_export, "generate": cmd_generate, "models": cmd_models,
+           "compare": cmd_compare}[a.command]
     try:
         return run(a)
     except EdgeLLMError as e:

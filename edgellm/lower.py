@@ -100,6 +100,7 @@ def lower(programs: dict[str, ExportedProgram], partitioners: list, constant_met
           etrecord: bool) -> Lowered:
     from executorch.exir import (EdgeCompileConfig, ExecutorchBackendConfig,
                                  to_edge_transform_and_lower)
+    from executorch.exir.passes import MemoryPlanningPass
     from executorch.exir.passes.sym_shape_eval_pass import ConstraintBasedSymShapeEvalPass
 
     from .report import delegation, op_histogram, preserved_report
@@ -121,8 +122,11 @@ def lower(programs: dict[str, ExportedProgram], partitioners: list, constant_met
         kept = set(edge.exported_program(name).graph_signature.buffers_to_mutate.values())
         for fqn, facts in states[name].items():
             facts["kept_by_executorch"] = fqn in kept
-    # Plan memory for the largest T the program accepts, not for the example input's T.
+    # Plan memory for the largest T the program accepts, not for the example input's T. With
+    # several methods, each buffer gets one place that every method reads and writes (one
+    # MemoryPlanningPass instance plans them all).
     program = edge.to_executorch(ExecutorchBackendConfig(
-        sym_shape_eval_pass=ConstraintBasedSymShapeEvalPass()))
+        sym_shape_eval_pass=ConstraintBasedSymShapeEvalPass(),
+        memory_planning_pass=MemoryPlanningPass(share_mutable_buffers=len(programs) > 1)))
     return Lowered(program=program, delegation=figures, preserved=fates,
                    deprecations=logged, python_deprecations=python, states=states)

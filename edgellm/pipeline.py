@@ -57,12 +57,12 @@ def staging(dest: Path, force: bool):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def metadata(cfg: ExportConfig, source, dynamic: bool) -> dict:
+def metadata(cfg: ExportConfig, source, dynamic: bool, custom_sdpa: bool) -> dict:
     """Constant methods ExecuTorch's LLM runner reads (see extension/llm/runner)."""
     model_cfg = source.hf_config
     meta = {"get_max_seq_len": cfg.max_seq_len, "get_max_context_len": cfg.context_len,
             "get_vocab_size": model_cfg.vocab_size, "get_n_layers": model_cfg.num_hidden_layers,
-            "use_kv_cache": True, "use_sdpa_with_kv_cache": False,
+            "use_kv_cache": True, "use_sdpa_with_kv_cache": custom_sdpa,
             "enable_dynamic_shape": dynamic}
     if source.bos_id is not None:
         meta["get_bos_id"] = int(source.bos_id)
@@ -73,9 +73,9 @@ def metadata(cfg: ExportConfig, source, dynamic: bool) -> dict:
 
 def export(cfg: ExportConfig, quiet: bool = False) -> dict:
     """Run one export as configured; returns the report (also written as report.json)."""
-    from .capture import export_forward
-    from .lower import lower
     from .architectures import build_model
+    from .capture import export_methods
+    from .lower import lower
     from .sources import load_source
 
     dest = Path(cfg.output)
@@ -84,23 +84,34 @@ def export(cfg: ExportConfig, quiet: bool = False) -> dict:
     stages = Stages(quiet=quiet)
     with staging(dest, cfg.force) as tmp:
         with stages.stage("load"):
-            source = load_source(cfg.model)
+            source = load_source(cfg.model, params=cfg.params, model_class=cfg.model_class,
+                                 tokenizer=cfg.tokenizer)
+            source.bos_id = source.bos_id if cfg.bos_id is None else cfg.bos_id
+            source.eos_ids = source.eos_ids if cfg.eos_ids is None else cfg.eos_ids
         with stages.stage("build"):
             opts = plan.model_options(cfg.context_len)
             model = build_model(source.hf_config, source.state_dict, opts,
                                 TORCH_DTYPES[cfg.dtype])
             source.state_dict = {}  # the model holds the tensors now
+        if cfg.quantize:
+            with stages.stage("quantize"):
+                from .quantize import quantize
+
+                quantize(model, cfg.quantize, cfg.group_size)
         with stages.stage("export"):
-            programs = {"forward": export_forward(model, cfg.max_seq_len, plan.dynamic_shapes)}
+            programs = export_methods(model, cfg.max_seq_len, plan.dynamic_shapes,
+                                      cfg.prefill_chunk)
             del model
         with stages.stage("lower"):
-            meta = metadata(cfg, source, plan.dynamic_shapes)
+            meta = metadata(cfg, source, plan.dynamic_shapes, opts.attention == "custom_ops")
             lowered = lower(programs, plan.partitioners(), meta, cfg.etrecord)
             del programs
         with stages.stage("serialize"):
             files = write_outputs(tmp, cfg, source, lowered)
-        with stages.stage("inspect"):
-            delegates = inspect_delegates(plan, tmp / "model.pte", lowered.states)
+        delegates = {}
+        if any(b.inspect_delegates for b in plan.backends):
+            with stages.stage("inspect"):
+                delegates = inspect_delegates(plan, tmp / "model.pte", lowered.states)
         pte_bytes = (tmp / "model.pte").stat().st_size
         rep = build_report(cfg, plan, source, lowered, stages, (files, pte_bytes))
         rep["delegates"] = delegates

@@ -127,3 +127,56 @@ def summary(r: dict) -> str:
             f"{d['non_delegated_compute_nodes']} non-delegated compute nodes, "
             f"{r['deprecation_warnings']} deprecation warnings, {r['wall_s']:.1f} s, "
             f"peak RSS {r['peak_rss_mb']:.0f} MB")
+
+
+def load(path) -> dict:
+    """A report.json, or the export folder holding one."""
+    from .errors import InputError
+
+    p = Path(path)
+    p = p / "report.json" if p.is_dir() else p
+    try:
+        return json.loads(p.read_text())
+    except OSError as e:
+        raise InputError(f"Cannot read report {p}: {e.strerror}. Give an export folder or its "
+                         "report.json.") from None
+    except json.JSONDecodeError as e:
+        raise InputError(f"Report {p} is not valid JSON ({e.msg}, line {e.lineno}).") from None
+
+
+COLUMNS = ("subgraphs", "delegated_nodes", "non_delegated_nodes")
+
+
+def compare(a: dict, b: dict, method: str = "forward") -> dict:
+    """The seed's results table for two reports, and every op whose count changed."""
+    from .errors import InputError
+
+    rows, ops = {}, {}
+    for label, r in (("A", a), ("B", b)):
+        if method not in r.get("methods", {}):
+            raise InputError(f"Report {label} has no method '{method}'; it has "
+                             f"{', '.join(r.get('methods', {})) or 'none'}.")
+        d = r["methods"][method]["delegation"]
+        rows[label] = {**{c: d[c] for c in COLUMNS},
+                       "deprecation_warnings": r["deprecation_warnings"]}
+        ops[label] = {op: v["delegated"] + v["non_delegated"] for op, v in d["by_op"].items()}
+    names = sorted(set(ops["A"]) | set(ops["B"]))
+    deltas = {op: [ops["A"].get(op, 0), ops["B"].get(op, 0)] for op in names
+              if ops["A"].get(op, 0) != ops["B"].get(op, 0)}
+    return {"method": method, "rows": rows, "op_deltas": deltas}
+
+
+def compare_table(c: dict, labels: tuple[str, str]) -> str:
+    head = ("", "subgraphs", "delegated nodes", "non-delegated", "deprecation warnings")
+    lines = ["\t".join(head)]
+    for key, label in zip(("A", "B"), labels):
+        r = c["rows"][key]
+        lines.append("\t".join([label] + [str(r[k]) for k in (*COLUMNS, "deprecation_warnings")]))
+    lines.append("")
+    lines.append(f"ops of {c['method']} whose count changed (A -> B):")
+    width = max((len(op) for op in c["op_deltas"]), default=0)
+    for op, (x, y) in sorted(c["op_deltas"].items(), key=lambda kv: kv[1][1] - kv[1][0]):
+        lines.append(f"  {op:<{width}}  {x:>6} -> {y:<6} ({y - x:+d})")
+    if not c["op_deltas"]:
+        lines.append("  none")
+    return "\n".join(lines)

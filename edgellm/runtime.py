@@ -35,6 +35,10 @@ class Program:
                              "but run only on their devices.") from None
         names = self.program.method_names
         self.meta = {m: self._constant(m) for m in METADATA if m in names}
+        self._prefill = self.chunk = None
+        if "prefill" in names:  # T fixed at a chunk length; shares forward's buffers
+            self._prefill = self.program.load_method("prefill")
+            self.chunk = int(self._prefill.metadata.input_tensor_meta(0).sizes()[1])
 
     def _constant(self, name: str):
         out = self.program.load_method(name).execute([])
@@ -61,12 +65,18 @@ class Program:
         return self._forward.execute([tokens, input_pos])[0]
 
     def prefill(self, ids: list[int], start: int = 0) -> torch.Tensor:
-        """Logits after `ids`, fed in one call when T is dynamic, else one token per call."""
+        """Logits after `ids`: whole chunks through `prefill` when the program has it, the rest
+        through `forward`, in one call when its T is dynamic, else one token per call."""
+        i, logits = 0, None
+        if self._prefill is not None:
+            while len(ids) - i >= self.chunk and start + i + self.chunk <= self.max_context_len:
+                chunk = torch.tensor([ids[i:i + self.chunk]], dtype=torch.long)
+                logits = self._prefill.execute([chunk, torch.tensor([start + i])])[0]
+                i += self.chunk
         step = self.max_seq_len if self.dynamic else 1
-        logits = None
-        for i in range(0, len(ids), step):
-            chunk = torch.tensor([ids[i:i + step]], dtype=torch.long)
-            logits = self.forward(chunk, torch.tensor([start + i], dtype=torch.long))
+        for j in range(i, len(ids), step):
+            chunk = torch.tensor([ids[j:j + step]], dtype=torch.long)
+            logits = self.forward(chunk, torch.tensor([start + j], dtype=torch.long))
         return logits
 
 

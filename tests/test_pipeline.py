@@ -122,6 +122,42 @@ def test_portable_program_fed_one_token_per_call(tiny_models, prompt_ids, tmp_pa
     assert_logits_close(actual, expected, atol=1e-4, what="portable")
 
 
+@pytest.mark.parametrize("arch", ["lfm2", "llama"])
+def test_prefill_method_shares_state_with_forward(tiny_models, prompt_ids, tmp_path, arch):
+    """prefill takes the prompt in chunks of 4 (the rest goes one token at a time through
+    forward), then forward decodes from the KV cache and conv state prefill left behind."""
+    folder, hf = tiny_models[arch]
+    report = edgellm.export(folder, output=tmp_path / "p", backends="xnnpack", max_seq_len=16,
+                            prefill_chunk=4, quiet=True)
+    assert set(report["methods"]) == {"forward", "prefill"}
+    program = Program(tmp_path / "p" / "model.pte")
+    assert program.chunk == 4 and len(prompt_ids) % 4 != 0  # both paths of prefill() run
+    tokens, expected = reference_run(hf, prompt_ids, steps=5)
+    actual = [program.prefill(prompt_ids)[0]]
+    for i, tok in enumerate(tokens[:-1]):
+        actual.append(program.forward(torch.tensor([[tok]]),
+                                      torch.tensor([len(prompt_ids) + i]))[0])
+    assert_logits_close(torch.stack(actual), expected, atol=1e-4, what=f"{arch} prefill")
+    # a second prompt starts over: nothing of the first survives in the conv state or cache
+    again = program.prefill(prompt_ids)[0]
+    assert torch.allclose(again, actual[0], atol=1e-6)
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["backends=coreml", "prefill_chunk=8", "coreml.state=coreml"],
+     r"Core ML states live inside each method's delegate"),
+    (["backends=coreml", "quantize=8da4w"], r"runs on xnnpack kernels, not on coreml"),
+    (["prefill_chunk=200", "max_seq_len=16"], r"prefill_chunk: 200 is out of range 0\.\.16"),
+    (["group_size=32"], r"group_size: 32 is set but quantize is not"),
+])
+def test_impossible_combinations_are_refused_before_any_work(tiny_models, tmp_path, overrides,
+                                                             match):
+    with pytest.raises(edgellm.ConfigError, match=match):
+        edgellm.export(tiny_models["lfm2"][0], output=tmp_path / "x", overrides=overrides,
+                       quiet=True)
+    assert not (tmp_path / "x").exists()
+
+
 def test_positions_past_the_context_are_refused(xnnpack_exports):
     program = Program(xnnpack_exports["llama"][0] / "model.pte")
     with pytest.raises(edgellm.InputError, match=r"positions 60\.\.67: .* max_context_len 64"):

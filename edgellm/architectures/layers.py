@@ -181,8 +181,13 @@ class KVCache(nn.Module):
             out = torch.ops.llama.custom_sdpa(q, self.k_cache, self.v_cache, step.start_int,
                                               None, 0.0, True, None)
             return out.reshape(1, T, -1)
-        write_at(self.k_cache, 2, step.positions, to_heads(k, step))  # Core ML: one slice_update
-        write_at(self.v_cache, 2, step.positions, to_heads(v, step))
+        k, v = to_heads(k, step), to_heads(v, step)
+        if step.start_int is None:  # index_put_: one MIL slice_update on Core ML
+            write_at(self.k_cache, 2, step.positions, k)
+            write_at(self.v_cache, 2, step.positions, v)
+        else:  # several tokens, a fixed number: coremltools' index_put takes one index only
+            self.k_cache.narrow(2, step.start_int, k.shape[2]).copy_(k)
+            self.v_cache.narrow(2, step.start_int, v.shape[2]).copy_(v)
         n_rep = self.n_heads // self.n_kv
         T = step.positions.shape[0]
         if step.single:  # q (1, H, 1, D) is (1, n_kv, n_rep, D); the (1, ctx) mask broadcasts
@@ -207,7 +212,9 @@ def merge_heads(out: torch.Tensor, n_rep: int) -> torch.Tensor:
 
 def make_step(input_pos: torch.Tensor, T: int, opts: ModelOptions, rope: Rope, dtype) -> Step:
     start_int = mask = None
-    if opts.attention == "custom_ops":
+    single = isinstance(T, int) and T == 1
+    # the custom ops, and cache writes of a fixed number of tokens > 1, take the start as an int
+    if opts.attention == "custom_ops" or (isinstance(T, int) and T > 1):
         start_int = input_pos[0].item()
         torch._check(start_int >= 0)
         torch._check(start_int + T <= opts.max_context_len)
@@ -217,7 +224,7 @@ def make_step(input_pos: torch.Tensor, T: int, opts: ModelOptions, rope: Rope, d
         mask = torch.zeros(future.shape, dtype=dtype).masked_fill(future, float("-inf"))
     keep = (input_pos[0] != 0).to(dtype)
     return Step(positions=positions, start_int=start_int, keep=keep, mask=mask,
-                rope=rope.prepare(positions, dtype), single=isinstance(T, int) and T == 1)
+                rope=rope.prepare(positions, dtype), single=single)
 
 
 def run_decoder(lm: nn.Module, tokens: torch.Tensor, input_pos: torch.Tensor, final_norm: nn.Module,

@@ -37,6 +37,9 @@ class Backend:
     # (written .pte, options, {method: {buffer: facts}}) -> report entries per delegate; raises
     # VerificationError when a delegate disagrees with what the options asked for
     inspect_delegates: Callable | None = None
+    # (ExportConfig, options) -> problems with the export as a whole, e.g. options that
+    # contradict the config's other fields
+    config_problems: Callable | None = None
 
     def check_available(self) -> None:
         missing = [m for m in self.requires if importlib.util.find_spec(m) is None]

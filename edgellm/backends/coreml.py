@@ -42,6 +42,15 @@ class CoreMLOptions:
         return out
 
 
+def config_problems(cfg, options: CoreMLOptions) -> list[str]:
+    out = []
+    if cfg.prefill_chunk and options.state == "coreml":
+        out.append("prefill_chunk with coreml.state: coreml: Core ML states live inside each "
+                   "method's delegate, so prefill and forward would not share the cache. Use "
+                   "coreml.state: io (the default) or prefill_chunk: 0")
+    return out
+
+
 def compile_specs(options: CoreMLOptions) -> list:
     import coremltools as ct
     from executorch.backends.apple.coreml.compiler import CoreMLBackend
@@ -75,7 +84,8 @@ def inspect_delegates(pte: Path, options: CoreMLOptions, states: dict) -> list[d
     exported programs. Raises VerificationError naming every buffer in the wrong place."""
     entries, problems = [], []
     for method, index, specs, package in _payloads(pte):
-        entry = {"method": method, "index": index, **_compile_settings(specs), **_describe(package)}
+        entry = {"method": method, "index": index, **_compile_settings(specs),
+                 **_describe(package, method)}
         problems += _lint(entry, options.state, states.get(method, {}))
         entries.append(entry)
     if problems:
@@ -122,8 +132,9 @@ def _compile_settings(specs) -> dict:
             "min_deployment_target": TARGETS.get(int(target), target) if target else None}
 
 
-def _describe(package: Path) -> dict:
-    """Inputs, outputs and states with shapes and dtypes; MIL operations (constants excluded)."""
+def _describe(package: Path, method: str) -> dict:
+    """Inputs, outputs and states with shapes and dtypes; MIL operations (constants excluded).
+    A multifunction package (several methods sharing weights) is described for `method`."""
     import coremltools as ct
     from coremltools.proto import FeatureTypes_pb2
 
@@ -138,15 +149,15 @@ def _describe(package: Path) -> dict:
                         "dtype": dtype_name(array.dataType).lower()})
         return out
 
+    functions = spec.mlProgram.functions
+    name = method if method in functions else "main"
     ops = Counter()
-    for function in spec.mlProgram.functions.values():
-        for block in function.block_specializations.values():
-            _count_ops(block, ops)
+    for block in functions[name].block_specializations.values():
+        _count_ops(block, ops)
     mil = {op: n for op, n in sorted(ops.items()) if op != "const"}
-    d = spec.description
+    d = next((f for f in spec.description.functions if f.name == name), spec.description)
     return {"inputs": features(d.input), "outputs": features(d.output),
-            "states": features(d.state, state=True),
-            "functions": sorted(spec.mlProgram.functions),
+            "states": features(d.state, state=True), "functions": sorted(functions),
             "mil_ops": sum(mil.values()), "mil_histogram": mil}
 
 
@@ -197,4 +208,5 @@ BACKEND = Backend(
     options=CoreMLOptions,
     requires=("coremltools", "executorch.backends.apple.coreml"),
     inspect_delegates=inspect_delegates,
+    config_problems=config_problems,
 )
