@@ -38,6 +38,7 @@ class ModelOptions:
     rope: str = "rotate"  # "rotate": x*cos + rot(x)*sin; "matrix": one matmul per q and k
     conv: str = "conv1d"  # LFM2 short conv: "conv1d" (channels-first) or "window" (time-major)
     fold_norms: bool = False  # fold RMSNorm weights into the linears that follow them
+    fuse_qk: bool = False  # LFM2: q and k projections, norms and RoPE as one (architectures/lfm2.py)
 
 
 @dataclass
@@ -132,11 +133,16 @@ class Rope(nn.Module):
         return lambda x: x * cos + F.linear(x, rot) * sin
 
 
+def heads_axis(step: Step) -> int:
+    """Where split_heads puts the heads: 1 for sdpa attention with T fixed at 1, else 2."""
+    return 1 if step.single and step.mask is not None else 2
+
+
 def split_heads(x: torch.Tensor, n: int, head_dim: int, step: Step) -> torch.Tensor:
     """(1, T, n*D) -> (1, T, n, D), which norms and RoPE take. For "sdpa" attention with T fixed
     at 1, (1, n, 1, D) instead: norms and RoPE work on it unchanged and it is already the cache
     layout, so no second view reaches the backend."""
-    if step.single and step.mask is not None:
+    if heads_axis(step) == 1:
         return x.view(1, n, 1, head_dim)
     return x.view(1, x.shape[1], n, head_dim)
 

@@ -17,7 +17,8 @@ from torch import nn
 
 from ..errors import InputError
 
-from .layers import KVCache, ModelOptions, RMSNorm, Rope, fold_norm, run_decoder, split_heads, write_at
+from .layers import (KVCache, ModelOptions, RMSNorm, Rope, fold_norm, heads_axis, run_decoder,
+                     split_heads, write_at)
 
 
 def check(cfg) -> list[str]:
@@ -47,26 +48,46 @@ def ffn_width(cfg) -> int:
 
 
 class Attention(nn.Module):
+    """With `fuse_qk`, q_proj and k_proj are one linear at load time and the q and k heads share
+    one weightless RMSNorm, one per-head weight multiply and one RoPE matmul: Core ML receives one
+    guarded norm per attention layer instead of two."""
+
     def __init__(self, cfg, opts: ModelOptions, dtype):
         super().__init__()
         self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = cfg.hidden_size // self.n_heads
-        hd = self.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * hd, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * hd, bias=False)
+        hd, self.fused = self.head_dim, opts.fuse_qk
+        if self.fused:
+            self.qk_proj = nn.Linear(cfg.hidden_size, (self.n_heads + self.n_kv) * hd, bias=False)
+            self.qk_layernorm = RMSNorm(hd, cfg.norm_eps, opts.norm, affine=False)
+            self.qk_weight = nn.Parameter(torch.empty(self.n_heads + self.n_kv, 1, hd))
+        else:
+            self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * hd, bias=False)
+            self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * hd, bias=False)
+            self.q_layernorm = RMSNorm(hd, cfg.norm_eps, opts.norm)
+            self.k_layernorm = RMSNorm(hd, cfg.norm_eps, opts.norm)
         self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * hd, bias=False)
         self.out_proj = nn.Linear(self.n_heads * hd, cfg.hidden_size, bias=False)
-        self.q_layernorm = RMSNorm(hd, cfg.norm_eps, opts.norm)
-        self.k_layernorm = RMSNorm(hd, cfg.norm_eps, opts.norm)
         with torch.device("cpu"):
             self.cache = KVCache(self.n_heads, self.n_kv, hd, opts, dtype)
 
     def forward(self, x, step):
-        q = self.q_layernorm(split_heads(self.q_proj(x), self.n_heads, self.head_dim, step))
-        k = self.k_layernorm(split_heads(self.k_proj(x), self.n_kv, self.head_dim, step))
         v = split_heads(self.v_proj(x), self.n_kv, self.head_dim, step)
-        q, k = step.rope(q), step.rope(k)
+        if self.fused:
+            q, k = self._fused_qk(x, step)
+        else:
+            q = self.q_layernorm(split_heads(self.q_proj(x), self.n_heads, self.head_dim, step))
+            k = self.k_layernorm(split_heads(self.k_proj(x), self.n_kv, self.head_dim, step))
+            q, k = step.rope(q), step.rope(k)
         return self.out_proj(self.cache(q, k, v, step))
+
+    def _fused_qk(self, x, step):
+        qk = split_heads(self.qk_proj(x), self.n_heads + self.n_kv, self.head_dim, step)
+        axis = heads_axis(step)  # (1, H+n_kv, 1, D) or (1, T, H+n_kv, D)
+        weight = self.qk_weight if axis == 1 else self.qk_weight.squeeze(1)
+        qk = step.rope(self.qk_layernorm(qk) * weight)
+        return (qk.narrow(axis, 0, self.n_heads),
+                qk.narrow(axis, self.n_heads, self.n_kv))
 
 
 class WindowConv(nn.Module):
@@ -185,6 +206,8 @@ class Lfm2ForCausalLM(nn.Module):
             self.state_dict_hooks += (self._time_major_conv,)
         if opts.fold_norms:
             self.state_dict_hooks += (self._fold_norms,)
+        if opts.fuse_qk:
+            self.state_dict_hooks += (self._fuse_qk,)
 
     def _split_in_proj(self, sd: dict) -> None:
         """HF's fused conv.in_proj (3*hidden rows: B, C, x) -> b_proj, c_proj, x_proj."""
@@ -212,6 +235,21 @@ class Lfm2ForCausalLM(nn.Module):
                      else [f"{p}.conv.{n}_proj" for n in ("b", "c", "x")])
             fold_norm(sd, f"{p}.operator_norm", mixer)
             fold_norm(sd, f"{p}.ffn_norm", [f"{p}.feed_forward.w1", f"{p}.feed_forward.w3"])
+
+    def _fuse_qk(self, sd: dict) -> None:
+        """q_proj and k_proj -> qk_proj (rows q then k); q/k_layernorm -> qk_weight per head."""
+        for i, layer in enumerate(self.model.layers):
+            if not layer.is_attention:
+                continue
+            p, attn = f"model.layers.{i}.self_attn", layer.self_attn
+            names = [f"{p}.{n}" for n in ("q_proj.weight", "k_proj.weight",
+                                          "q_layernorm.weight", "k_layernorm.weight")]
+            if any(n not in sd for n in names):
+                continue  # the loader names what is missing
+            q, k, qn, kn = (sd.pop(n) for n in names)
+            sd[f"{p}.qk_proj.weight"] = torch.cat([q, k])
+            sd[f"{p}.qk_weight"] = torch.cat([qn.expand(attn.n_heads, -1),
+                                              kn.expand(attn.n_kv, -1)])[:, None, :]
 
     @staticmethod
     def _drop_tied_head(sd: dict) -> None:

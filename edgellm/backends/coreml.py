@@ -201,10 +201,10 @@ BACKEND = Backend(
     make_partitioners=_partitioners,
     # What Core ML receives follows how the model is written (../shared/reference/
     # lowering-findings.md and docs/design.md): one ATen node per norm whose weight is folded into
-    # the next linear where one follows, RoPE as one matmul, the short conv as a time-major
-    # multiply-and-sum without transposes.
+    # the next linear where one follows, q and k heads normalized and rotated together, RoPE as
+    # one matmul, the short conv as a time-major multiply-and-sum without transposes.
     writing={"attention": "sdpa", "norm": "rms_norm", "rope": "matrix", "conv": "window",
-             "fold_norms": True},
+             "fold_norms": True, "fuse_qk": True},
     options=CoreMLOptions,
     requires=("coremltools", "executorch.backends.apple.coreml"),
     inspect_delegates=inspect_delegates,
