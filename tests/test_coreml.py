@@ -130,3 +130,20 @@ def test_state_coreml_below_ios18_is_refused_before_any_work(tiny_models, tmp_pa
         edgellm.export(tiny_models["lfm2"][0], output=tmp_path / "c", backends="coreml",
                        overrides=["coreml.state=coreml", "coreml.min_ios=17"], quiet=True)
     assert not (tmp_path / "c").exists()
+
+
+def test_prefill_and_forward_share_one_multifunction_payload(tiny_models, tmp_path):
+    """Both methods lower into one Core ML model with a function each (weights stored once),
+    and both pass the lint: their caches stay ExecuTorch buffers that the methods share."""
+    report = edgellm.export(tiny_models["lfm2"][0], output=tmp_path / "c", backends="coreml",
+                            max_seq_len=16, prefill_chunk=4, quiet=True)
+    by_method = {d["method"]: d for d in report["delegates"]["coreml"]}
+    assert set(by_method) == {"forward", "prefill"}
+    assert by_method["forward"]["functions"] == ["forward", "prefill"]
+    tokens = {m: next(f["shape"] for f in d["inputs"] if f["name"] == "tokens")
+              for m, d in by_method.items()}
+    assert tokens == {"forward": [1, 1], "prefill": [1, 4]}
+    assert all(d["states"] == [] for d in by_method.values())
+    single = edgellm.export(tiny_models["lfm2"][0], output=tmp_path / "s", backends="coreml",
+                            max_seq_len=16, quiet=True)
+    assert report["pte_bytes"] < 1.5 * single["pte_bytes"]  # not a second copy of the weights
