@@ -23,19 +23,33 @@ def is_executorch(data: Mapping) -> bool:
     return bool(data) and set(data) <= set(SECTIONS) | {"multimethod"}
 
 
+# ExecuTorch field -> the edgellm key it sets ("_" keys are checked against the backends below)
+RENAMES = {"base.model_class": "model_class", "base.params": "params",
+           "base.checkpoint": "model", "base.tokenizer_path": "tokenizer",
+           "model.dtype_override": "dtype", "model.enable_dynamic_shape": "_dynamic",
+           "model.use_sdpa_with_kv_cache": "_custom_sdpa",
+           "export.max_seq_length": "max_seq_len", "export.max_context_length": "max_context_len",
+           "export.output_name": "_output_name", "export.output_dir": "_output_dir",
+           "quantization.qmode": "quantize", "quantization.group_size": "group_size",
+           "debug.generate_etrecord": "etrecord"}
+# fields whose only value edgellm can honour is the one it always has
+FIXED = {"model.use_kv_cache": (True, "edgellm programs always keep a KV cache"),
+         "quantization.use_hqq": (True, "edgellm's recipes choose scales with HQQ"),
+         "debug.verbose": (False, "edgellm prints its own stage lines (--quiet silences them)")}
+
+
 def translate(data: Mapping[str, Any]) -> dict:
     """ExecuTorch LlmConfig fields -> edgellm config keys; raises ConfigError listing every field
     that cannot be honoured."""
     out: dict[str, Any] = {}
     problems: list[str] = []
-    for section, handler in (("base", _base), ("model", _model), ("export", _export),
-                             ("quantization", _quantization), ("debug", _debug)):
+    for section in ("base", "model", "export", "quantization", "debug"):
         fields = data.get(section) or {}
         if not isinstance(fields, Mapping):
             problems.append(f"{section}: expected a mapping of fields, got {fields!r}")
             continue
         for key, value in fields.items():
-            handler(f"{section}.{key}", key, value, out, problems)
+            _field(f"{section}.{key}", value, out, problems)
     _backends(data.get("backend") or {}, out, problems)
     output_folder(out)
     if data.get("multimethod"):
@@ -46,18 +60,18 @@ def translate(data: Mapping[str, Any]) -> dict:
     return out
 
 
-def _base(name, key, value, out, problems):
-    if key == "model_class":
-        out["model_class"] = value
-    elif key == "params":
-        out["params"] = value
-    elif key == "checkpoint":
-        out["model"] = value
-    elif key == "tokenizer_path":
-        out["tokenizer"] = value
-    elif key == "metadata":
+def _field(name: str, value, out: dict, problems: list[str]) -> None:
+    if name in RENAMES:
+        if value is not None:
+            out[RENAMES[name]] = value
+    elif name in FIXED:
+        honoured, reason = FIXED[name]
+        if value not in (honoured, None):
+            problems.append(f"{name}: {value!r} is not supported; {reason} ({name}: "
+                            f"{str(honoured).lower()})")
+    elif name == "base.metadata":
         _metadata(name, value, out, problems)
-    else:
+    elif value is not None:
         problems.append(_refused(name, value))
 
 
@@ -78,57 +92,6 @@ def _metadata(name, value, out, problems):
         else:
             problems.append(f"{name}: key '{key}' is not supported; edgellm writes its own "
                             "runner metadata and takes get_bos_id and get_eos_ids from here")
-
-
-def _model(name, key, value, out, problems):
-    if key == "dtype_override":
-        out["dtype"] = value
-    elif key == "use_kv_cache":
-        if value is not True:
-            problems.append(f"{name}: {value!r}; edgellm programs always keep a KV cache "
-                            "(use_kv_cache: true)")
-    elif key == "enable_dynamic_shape":
-        out["_dynamic"] = value  # checked against the backends below
-    elif key == "use_sdpa_with_kv_cache":
-        out["_custom_sdpa"] = value  # checked against the backends below
-    else:
-        problems.append(_refused(name, value))
-
-
-def _export(name, key, value, out, problems):
-    if key == "max_seq_length":
-        out["max_seq_len"] = value
-    elif key == "max_context_length":
-        out["max_context_len"] = value
-    elif key == "output_name":
-        out["_output_name"] = value
-    elif key == "output_dir":
-        out["_output_dir"] = value
-    else:
-        problems.append(_refused(name, value))
-
-
-def _quantization(name, key, value, out, problems):
-    if value is None:
-        return
-    if key == "qmode":
-        out["quantize"] = value
-    elif key == "group_size":
-        out["group_size"] = value
-    elif key == "use_hqq":  # ExecuTorch's default; edgellm's recipes use HQQ scales too
-        if value is not True:
-            problems.append(f"{name}: false is not supported; edgellm chooses scales with HQQ")
-    else:
-        problems.append(_refused(name, value))
-
-
-def _debug(name, key, value, out, problems):
-    if key == "generate_etrecord":
-        out["etrecord"] = value
-    elif key == "verbose" and value in (False, None):
-        pass
-    else:
-        problems.append(_refused(name, value))
 
 
 def _refused(name: str, value) -> str:
