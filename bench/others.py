@@ -134,9 +134,11 @@ class HfPteMethod:
     DTYPES = {3: "int32", 4: "int64", 6: "float32", 11: "bool"}  # ExecuTorch ScalarType
 
     def __init__(self, runtime, folder: Path, entry: dict):
-        self.method = runtime.load_program(folder / entry["file"]).load_method("forward")
+        self.program = runtime.load_program(folder / entry["file"])  # kept alive beside its method
+        self.method = self.program.load_method("forward")
         meta = entry["metadata"]
-        self.paths = leaf_paths(json.loads(meta["in_spec"])[1])
+        args, kwargs = json.loads(meta["in_spec"])[1]["children_spec"]  # (args=(), kwargs={...})
+        self.paths = leaf_paths(kwargs)
         self.n_out_leaves = len(leaf_paths(json.loads(meta["out_spec"])[1]))
         if self.method.metadata.num_inputs() != len(self.paths):
             raise RuntimeError(f"{entry['file']}: {self.method.metadata.num_inputs()} inputs, but its in_spec "
@@ -150,7 +152,7 @@ class HfPteMethod:
         return torch.zeros(tuple(t.sizes()), dtype=getattr(torch, self.DTYPES[int(t.dtype())]))
 
     def __call__(self, values: dict, cache: list):
-        """values: leaf path -> tensor or None; cache: the flat cache leaves. Returns (logits, cache)."""
+        """values: leaf path -> tensor or None; cache: the flat cache leaves. Returns (logits, cache, seconds in execute)."""
         feed = [cache[p[1]] if p[0] == "cache" else values.get(p) for p in self.paths]
         t0 = time.perf_counter()
         out = self.method.execute(feed)

@@ -12,7 +12,7 @@ import importlib
 import torch
 
 from ..errors import InputError
-from .layers import ModelOptions
+from .layers import ModelOptions, separate_tied_head
 
 ARCHITECTURES = {"lfm2": "LFM2 and LFM2.5 (short-conv + attention hybrids)",
                  "llama": "Llama 3.x, SmolLM2 and other Llama-layout models"}
@@ -35,6 +35,8 @@ def build_model(hf_config, state_dict: dict, opts: ModelOptions, dtype: torch.dt
                          "Fix the checkpoint's config.json.")
     model = arch.build(hf_config, opts, dtype)
     load_weights(model, state_dict, dtype)
+    if opts.separate_head:
+        separate_tied_head(model)
     return model.eval()
 
 

@@ -39,6 +39,7 @@ class ModelOptions:
     conv: str = "conv1d"  # LFM2 short conv: "conv1d" (channels-first) or "window" (time-major)
     fold_norms: bool = False  # fold RMSNorm weights into the linears that follow them
     fuse_qk: bool = False  # LFM2: q and k projections, norms and RoPE as one (architectures/lfm2.py)
+    separate_head: bool = False  # a tied head as its own parameter over the embedding's storage
 
 
 @dataclass
@@ -144,7 +145,7 @@ def split_heads(x: torch.Tensor, n: int, head_dim: int, step: Step) -> torch.Ten
     layout, so no second view reaches the backend."""
     if heads_axis(step) == 1:
         return x.view(1, n, 1, head_dim)
-    return x.view(1, x.shape[1], n, head_dim)
+    return x.view(1, -1, n, head_dim)  # -1, not a symbolic T: XNNPACK takes only static views
 
 
 def to_heads(x: torch.Tensor, step: Step) -> torch.Tensor:
@@ -181,12 +182,11 @@ class KVCache(nn.Module):
     def forward(self, q, k, v, step: Step) -> torch.Tensor:
         """q, k and v from split_heads -> attention output (1, T, H*D)."""
         if self.mode == "custom_ops":  # (1, T, heads, D)
-            T = q.shape[1]
             torch.ops.llama.update_cache(k, self.k_cache, step.start_int)
             torch.ops.llama.update_cache(v, self.v_cache, step.start_int)
             out = torch.ops.llama.custom_sdpa(q, self.k_cache, self.v_cache, step.start_int,
                                               None, 0.0, True, None)
-            return out.reshape(1, T, -1)
+            return out.view(1, -1, self.n_heads * self.head_dim)
         k, v = to_heads(k, step), to_heads(v, step)
         if step.start_int is None:  # index_put_: one MIL slice_update on Core ML
             write_at(self.k_cache, 2, step.positions, k)
@@ -231,6 +231,22 @@ def make_step(input_pos: torch.Tensor, T: int, opts: ModelOptions, rope: Rope, d
     keep = (input_pos[0] != 0).to(dtype)
     return Step(positions=positions, start_int=start_int, keep=keep, mask=mask,
                 rope=rope.prepare(positions, dtype), single=single)
+
+
+def head_weight(lm: nn.Module) -> torch.Tensor:
+    """The output projection: `lm_head` when the model has one, else the tied embedding."""
+    head = getattr(lm, "lm_head", None)
+    return head.weight if head is not None else lm.model.embed_tokens.weight
+
+
+def separate_tied_head(lm: nn.Module) -> None:
+    """Give a tied head its own Parameter over the embedding's storage (no copy). XNNPACK puts a
+    linear whose weight the (undelegated) embedding also reads into a partition of its own; as
+    distinct parameters, the head joins the final norm's partition and the program is no larger."""
+    if getattr(lm, "lm_head", None) is None:
+        embed = lm.model.embed_tokens.weight
+        lm.lm_head = nn.Linear(embed.shape[1], embed.shape[0], bias=False, device="meta")
+        lm.lm_head.weight = nn.Parameter(embed.detach(), requires_grad=False)
 
 
 def run_decoder(lm: nn.Module, tokens: torch.Tensor, input_pos: torch.Tensor, final_norm: nn.Module,

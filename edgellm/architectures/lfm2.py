@@ -17,8 +17,8 @@ from torch import nn
 
 from ..errors import InputError
 
-from .layers import (KVCache, ModelOptions, RMSNorm, Rope, fold_norm, heads_axis, run_decoder,
-                     split_heads, write_at)
+from .layers import (KVCache, ModelOptions, RMSNorm, Rope, fold_norm, head_weight, heads_axis,
+                     run_decoder, split_heads, write_at)
 
 
 def check(cfg) -> list[str]:
@@ -262,8 +262,7 @@ class Lfm2ForCausalLM(nn.Module):
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
         # LFM2's "embedding_norm" is its final norm; the head is tied to the embedding
-        return run_decoder(self, tokens, input_pos, self.model.embedding_norm,
-                           self.model.embed_tokens.weight)
+        return run_decoder(self, tokens, input_pos, self.model.embedding_norm, head_weight(self))
 
 
 def raise_shape(key, tensor, rows):

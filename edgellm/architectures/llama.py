@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .layers import KVCache, ModelOptions, RMSNorm, Rope, fold_norm, run_decoder, split_heads
+from .layers import (KVCache, ModelOptions, RMSNorm, Rope, fold_norm, head_weight, run_decoder,
+                     split_heads)
 
 
 def check(cfg) -> list[str]:
@@ -118,8 +119,7 @@ class LlamaForCausalLM(nn.Module):
             sd.pop("lm_head.weight", None)
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
-        head = self.model.embed_tokens.weight if self.tied else self.lm_head.weight
-        return run_decoder(self, tokens, input_pos, self.model.norm, head)
+        return run_decoder(self, tokens, input_pos, self.model.norm, head_weight(self))
 
 
 def build(cfg, opts: ModelOptions, dtype) -> LlamaForCausalLM:

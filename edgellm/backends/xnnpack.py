@@ -19,6 +19,6 @@ BACKEND = Backend(
     summary="CPU (arm64, x86-64) through XNNPACK; dynamic prompt length",
     dynamic_shapes=True,
     make_partitioners=_partitioners,
-    writing={"attention": "custom_ops", "norm": "linear_mean"},
+    writing={"attention": "custom_ops", "norm": "linear_mean", "separate_head": True},
     requires=("executorch.backends.xnnpack",),
 )
