@@ -227,6 +227,33 @@ def transformers_exporter(hf_folder: str, out_dir: str, max_seq_len: int = 512,
 # --- 2. transformers eager ----------------------------------------------------------------------
 
 
+def load_model(path: Path):
+    """An fp32 transformers model from a HF folder or a .gguf file (dequantized by transformers).
+    from_pretrained(gguf_file=...) refuses to run without accelerate, which only its device_map
+    needs; without accelerate this takes the same two steps it does (config, then tensors)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import is_accelerate_available
+
+    if path.suffix != ".gguf":
+        return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    if is_accelerate_available():
+        return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model,
+                                   torch_dtype=torch.float32)["tensors"]
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    if unexpected or set(missing) - tied:
+        raise RuntimeError(f"{path}: GGUF tensors do not match {type(model).__name__}: "
+                           f"missing {sorted(set(missing) - tied)}, unexpected {sorted(unexpected)}")
+    model.tie_weights()
+    return model
+
+
 def eager(hf_folder: str, prompt_len: int = 64, steps: int = 32) -> dict:
     """transformers eager, fp32, torch.inference_mode, its own DynamicCache. hf_folder may be a .gguf
     file, which transformers dequantizes to fp32 on load."""
@@ -234,13 +261,10 @@ def eager(hf_folder: str, prompt_len: int = 64, steps: int = 32) -> dict:
 
     import torch
     import transformers
-    from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(THREADS)
     path = Path(hf_folder)
-    kwargs = dict(gguf_file=path.name) if path.suffix == ".gguf" else {}
-    folder = path.parent if kwargs else path
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, **kwargs).eval()
+    model = load_model(path).eval()
     # transformers 5.x renames past_key_values to cache (the old name warns until 5.40)
     cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     ids = prompt_ids(prompt_len, model.config.vocab_size)
@@ -282,6 +306,11 @@ llm = llama_cpp.Llama(model_path=a["gguf"], n_ctx=a["n_ctx"], n_batch=a["n_ctx"]
 rng = random.Random(0)
 ids = [rng.randrange(llm.n_vocab()) for _ in range(a["prompt_len"])]
 
+def last_logits():
+    # Llama.eval keeps no scores unless logits_all; read the context's last row, as its sampler does
+    ptr = llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1)
+    return np.ctypeslib.as_array(ptr, shape=(llm.n_vocab(),))
+
 def timed_eval(tokens):
     t0 = time.perf_counter()
     llm.eval(tokens)
@@ -293,7 +322,7 @@ def generate(n, prefill_runs):
         llm.reset()
         prefill_s.append(timed_eval(ids))
     for _ in range(n):
-        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        tok = int(np.argmax(last_logits()))
         step_s.append(timed_eval([tok]))
     return prefill_s, step_s
 

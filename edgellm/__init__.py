@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from .errors import ConfigError, EdgeLLMError, InputError, VerificationError
 
-__all__ = ["export", "generate", "models", "compare", "EdgeLLMError", "InputError", "ConfigError",
+__all__ = ["export", "verify", "generate", "models", "compare", "EdgeLLMError", "InputError", "ConfigError",
            "VerificationError"]
 
 
@@ -38,6 +38,15 @@ def export(model=None, *, config=None, overrides=(), quiet=False, **options) -> 
     from .pipeline import export as run
 
     return run(resolve_config(model, config=config, overrides=overrides, **options), quiet=quiet)
+
+
+def verify(target, steps: int = 8) -> dict:
+    """Check an exported program (its folder or model.pte) against the checkpoint its
+    config.yaml names: edgellm's eager model against transformers, then the program against the
+    eager model. Returns the figures; `passed` is False when a threshold fails."""
+    from .verification import verify as run
+
+    return run(target, steps=steps)
 
 
 def generate(pte, prompt: str, n: int = 32, tokenizer=None, on_text=None) -> str:

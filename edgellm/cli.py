@@ -34,6 +34,8 @@ def _export_parser(sub):
                    help="also write etrecord.bin for ExecuTorch's devtools")
     p.add_argument("--force", action="store_true", default=None,
                    help="replace an existing output folder")
+    p.add_argument("--no-verify", dest="verify", action="store_false", default=None,
+                   help="skip checking the program against the checkpoint after export")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
 
@@ -50,7 +52,8 @@ def cmd_export(a) -> int:
                     quiet=a.quiet or a.json, output=a.output, backends=a.backends,
                     max_seq_len=a.max_seq_len, max_context_len=a.max_context_len,
                     prefill_chunk=a.prefill_chunk, dtype=a.dtype, quantize=a.quantize,
-                    group_size=a.group_size, etrecord=a.etrecord, force=a.force)
+                    group_size=a.group_size, etrecord=a.etrecord, force=a.force,
+                    verify=a.verify)
     print(json.dumps(report) if a.json else summary(report))
     return 0
 
@@ -92,6 +95,10 @@ def quiet_libraries() -> None:
 
     warnings.simplefilter("ignore")
     os.environ.setdefault("TQDM_DISABLE", "1")  # coremltools' per-pass progress bars
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # set again on its import
+    from . import runtime
+
+    runtime.QUIET_NATIVE_LOGS = True
     for name in ("torchao", "torch.utils._pytree", "coremltools",
                  "executorch.backends.apple.coreml.compiler.coreml_preprocess"):
         logging.getLogger(name).setLevel(logging.ERROR)
@@ -101,6 +108,16 @@ def raise_input(msg: str):
     from .errors import InputError
 
     raise InputError(msg)
+
+
+def cmd_verify(a) -> int:
+    from . import verify
+    from .verification import enforce, summary
+
+    result = verify(a.target, steps=a.steps)
+    print(json.dumps(result) if a.json else summary(result))
+    enforce(result, str(a.target))
+    return 0
 
 
 def cmd_compare(a) -> int:
@@ -123,6 +140,10 @@ def main(argv=None) -> int:
     g.add_argument("-n", type=int, default=32, help="tokens to generate (default 32)")
     g.add_argument("--tokenizer", help="tokenizer.json (default: beside the program)")
     sub.add_parser("models", help="architectures, backends and supported combinations")
+    v = sub.add_parser("verify", help="check an exported program against its checkpoint")
+    v.add_argument("target", metavar="OUT", help="export folder or its model.pte")
+    v.add_argument("--steps", type=int, default=8, help="decode steps per prompt (default 8)")
+    v.add_argument("--json", action="store_true", help="print the result as one JSON object")
     c = sub.add_parser("compare", help="two exports side by side: delegation and per-op deltas")
     c.add_argument("a", metavar="A", help="export folder or its report.json")
     c.add_argument("b", metavar="B", help="export folder or its report.json")
@@ -136,7 +157,7 @@ def main(argv=None) -> int:
     if not a.debug:
         quiet_libraries()
     run = {"export": cmd_export, "generate": cmd_generate, "models": cmd_models,
-           "compare": cmd_compare}[a.command]
+           "compare": cmd_compare, "verify": cmd_verify}[a.command]
     try:
         return run(a)
     except EdgeLLMError as e:

@@ -39,6 +39,7 @@ class ExportConfig:
     quantize: str | None = None  # weight recipe: 8da4w, 8da8w
     group_size: int | None = None  # quantization group along the input dim; 0: per channel
     etrecord: bool = False
+    verify: bool = True  # check the program against the checkpoint at the end (verification.py)
     force: bool = False
     params: str | None = None  # ExecuTorch params JSON, describing a .pth model
     model_class: str | None = None  # ExecuTorch model class of a .pth model, e.g. lfm2_5_350m

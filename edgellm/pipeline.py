@@ -113,9 +113,22 @@ def export(cfg: ExportConfig, quiet: bool = False) -> dict:
             with stages.stage("inspect"):
                 delegates = inspect_delegates(plan, tmp / "model.pte", lowered.states)
         pte_bytes = (tmp / "model.pte").stat().st_size
+        del lowered.program  # serialized; verification below needs the memory
         rep = build_report(cfg, plan, source, lowered, stages, (files, pte_bytes))
         rep["delegates"] = delegates
         reports.write(rep, tmp)
+        if cfg.verify:
+            with stages.stage("verify"):
+                from .verification import verify
+
+                rep["verify"] = verify(tmp)
+            rep["stages"], rep["wall_s"], rep["peak_rss_mb"] = (stages.records, stages.wall_s,
+                                                                peak_rss_mb())
+            reports.write(rep, tmp)
+    if cfg.verify:  # the outputs stay in place for inspection; the caller learns it failed
+        from .verification import enforce
+
+        enforce(rep["verify"], f"The program in {dest}")
     return rep
 
 

@@ -105,6 +105,12 @@ def markdown(r: dict) -> str:
                      f"{d['non_delegated_nodes']} | {d['non_delegated_compute_nodes']} |")
     lines += ["", "| stage | wall s | peak RSS MB |", "|---|---|---|"]
     lines += [f"| {s['name']} | {s['wall_s']:.1f} | {s['peak_rss_mb']:.0f} |" for s in r["stages"]]
+    if "verify" in r:
+        from .verification import summary as verify_summary
+
+        lines += ["", "Verification against the checkpoint "
+                  f"({'passed' if r['verify']['passed'] else 'FAILED'}):", "", "```",
+                  verify_summary(r["verify"]), "```"]
     for entry in r["preserved_ops"]:
         kept = [o for o in entry["ops"] if o["status"] != "absent"]
         if kept:
@@ -126,7 +132,14 @@ def summary(r: dict) -> str:
             f"delegated subgraphs, {d['delegated_nodes']} delegated / "
             f"{d['non_delegated_compute_nodes']} non-delegated compute nodes, "
             f"{r['deprecation_warnings']} deprecation warnings, {r['wall_s']:.1f} s, "
-            f"peak RSS {r['peak_rss_mb']:.0f} MB")
+            f"peak RSS {r['peak_rss_mb']:.0f} MB" + verified(r))
+
+
+def verified(r: dict) -> str:
+    if "verify" not in r:
+        return ", not verified"
+    levels = ", ".join(c["level"] for c in r["verify"]["checks"])
+    return f", verified ({levels})" if r["verify"]["passed"] else ", VERIFICATION FAILED"
 
 
 def load(path) -> dict:

@@ -3,12 +3,40 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
 
 from .errors import InputError
+
+QUIET_NATIVE_LOGS = False  # set by the CLI: the runtime's C++ info lines go to /dev/null
+
+
+@contextlib.contextmanager
+def native_logs():
+    """ExecuTorch's kernels log on stderr from C++ on every call ("No temp allocator provided");
+    with QUIET_NATIVE_LOGS they are discarded. Python exceptions still carry the errors."""
+    if not QUIET_NATIVE_LOGS:
+        yield
+        return
+    import ctypes
+
+    libc = ctypes.CDLL(None)
+    sys.stderr.flush()
+    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    try:
+        yield
+    finally:
+        libc.fflush(None)  # C stdio buffers what the kernels logged; drop it with the rest
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
+
 
 METADATA = ("get_max_seq_len", "get_max_context_len", "get_vocab_size", "get_n_layers",
             "get_bos_id", "get_eos_ids", "use_kv_cache", "enable_dynamic_shape")
@@ -27,8 +55,9 @@ class Program:
             raise InputError(f"Program {self.path} does not exist. Export one with "
                              "`edgellm export -o OUT` and pass OUT/model.pte.")
         try:
-            self.program = Runtime.get().load_program(str(self.path))
-            self._forward = self.program.load_method("forward")
+            with native_logs():
+                self.program = Runtime.get().load_program(str(self.path))
+                self._forward = self.program.load_method("forward")
         except (RuntimeError, ValueError) as e:
             raise InputError(f"Cannot load {self.path} with this machine's ExecuTorch runtime "
                              f"({e}). Programs delegated to Core ML or Vulkan build on Linux "
@@ -37,11 +66,13 @@ class Program:
         self.meta = {m: self._constant(m) for m in METADATA if m in names}
         self._prefill = self.chunk = None
         if "prefill" in names:  # T fixed at a chunk length; shares forward's buffers
-            self._prefill = self.program.load_method("prefill")
+            with native_logs():
+                self._prefill = self.program.load_method("prefill")
             self.chunk = int(self._prefill.metadata.input_tensor_meta(0).sizes()[1])
 
     def _constant(self, name: str):
-        out = self.program.load_method(name).execute([])
+        with native_logs():
+            out = self.program.load_method(name).execute([])
         return list(out) if name == "get_eos_ids" else out[0]
 
     @property
@@ -62,7 +93,8 @@ class Program:
             raise InputError(f"Cannot run positions {start}..{start + T - 1}: this program takes "
                              f"at most {self.max_seq_len} tokens per call within "
                              f"max_context_len {self.max_context_len}.")
-        return self._forward.execute([tokens, input_pos])[0]
+        with native_logs():
+            return self._forward.execute([tokens, input_pos])[0]
 
     def prefill(self, ids: list[int], start: int = 0) -> torch.Tensor:
         """Logits after `ids`: whole chunks through `prefill` when the program has it, the rest
@@ -71,7 +103,8 @@ class Program:
         if self._prefill is not None:
             while len(ids) - i >= self.chunk and start + i + self.chunk <= self.max_context_len:
                 chunk = torch.tensor([ids[i:i + self.chunk]], dtype=torch.long)
-                logits = self._prefill.execute([chunk, torch.tensor([start + i])])[0]
+                with native_logs():
+                    logits = self._prefill.execute([chunk, torch.tensor([start + i])])[0]
                 i += self.chunk
         step = self.max_seq_len if self.dynamic else 1
         for j in range(i, len(ids), step):

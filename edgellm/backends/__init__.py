@@ -34,6 +34,7 @@ class Backend:
     writing: dict = field(default_factory=dict)
     options: type = NoOptions  # frozen dataclass of this backend's options
     requires: tuple[str, ...] = ()  # modules its SDK needs, checked before any heavy work
+    runs_here: bool = True  # can this machine's ExecuTorch runtime execute its programs
     # (written .pte, options, {method: {buffer: facts}}) -> report entries per delegate; raises
     # VerificationError when a delegate disagrees with what the options asked for
     inspect_delegates: Callable | None = None

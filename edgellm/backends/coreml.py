@@ -198,6 +198,7 @@ BACKEND = Backend(
     name="coreml",
     summary="Apple CPU/GPU/Neural Engine through Core ML; static shapes; builds here, runs on device",
     dynamic_shapes=False,
+    runs_here=False,  # the Linux runtime has no such backend; programs run on device
     make_partitioners=_partitioners,
     # What Core ML receives follows how the model is written (../shared/reference/
     # lowering-findings.md and docs/design.md): one ATen node per norm whose weight is folded into

@@ -16,6 +16,7 @@ BACKEND = Backend(
     name="vulkan",
     summary="Android GPUs through Vulkan; static shapes; builds here, runs on device",
     dynamic_shapes=False,
+    runs_here=False,  # the Linux runtime has no such backend; programs run on device
     make_partitioners=_partitioners,
     # The Vulkan partitioner takes over any buffer whose users all sit in its delegate; a conv
     # state written by copy_ then loses its buffer (SpecViolationError). index_put_ stays outside.

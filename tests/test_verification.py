@@ -1,0 +1,67 @@
+"""verify: the program against the checkpoint, passing on correct programs and failing with exit
+code 1 and a readable report on a program built from perturbed weights."""
+
+import json
+import shutil
+
+import pytest
+import yaml
+
+import edgellm
+from edgellm.cli import main
+
+
+@pytest.mark.parametrize("arch", ["lfm2", "llama"])
+def test_export_verifies_its_program(tiny_models, tmp_path, arch, capsys):
+    folder = tiny_models[arch][0]
+    report = edgellm.export(folder, output=tmp_path / "x", backends="xnnpack", max_seq_len=16,
+                            max_context_len=32, quiet=True)
+    result = report["verify"]
+    assert result["passed"] and [c["level"] for c in result["checks"]] == ["rewrite", "program"]
+    for check in result["checks"]:
+        assert check["sqnr_db"] > 100 and check["top1"] == 1.0, check  # fp32: exact but rounding
+        assert check["first_divergence"] is None
+    assert result["prompts"] == [5, 11] and result["steps"] == 8
+    assert "verify" in [s["name"] for s in report["stages"]]
+    assert main(["verify", str(tmp_path / "x" / "model.pte")]) == 0
+    out = capsys.readouterr().out
+    assert "rewrite: ok" in out and "program: ok" in out
+
+
+def test_a_program_from_perturbed_weights_fails_with_exit_code_1(tiny_models, tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+
+    folder = tiny_models["lfm2"][0]
+    shutil.copytree(folder, tmp_path / "perturbed")
+    weights = load_file(tmp_path / "perturbed" / "model.safetensors")
+    w = weights["model.layers.1.self_attn.v_proj.weight"]
+    weights["model.layers.1.self_attn.v_proj.weight"] = w + 0.5 * w.std()
+    save_file(weights, tmp_path / "perturbed" / "model.safetensors", metadata={"format": "pt"})
+    edgellm.export(tmp_path / "perturbed", output=tmp_path / "x", backends="xnnpack",
+                   max_seq_len=16, verify=False, quiet=True)
+    config = yaml.safe_load((tmp_path / "x" / "config.yaml").read_text())
+    config["model"] = str(folder)  # the checkpoint the program claims to come from
+    (tmp_path / "x" / "config.yaml").write_text(yaml.safe_dump(config))
+
+    assert main(["verify", str(tmp_path / "x")]) == 1
+    err = capsys.readouterr().err
+    assert "failed verification (program)" in err and "program: FAILED" in err
+    assert "rewrite: ok" in err  # the eager model is still right: the program is what differs
+    assert main(["verify", str(tmp_path / "x"), "--json"]) == 1
+    result = json.loads(capsys.readouterr().out.splitlines()[-1])
+    program = result["checks"][1]
+    assert not result["passed"] and program["sqnr_db"] < program["min_sqnr_db"]
+
+
+def test_core_ml_is_checked_as_far_as_this_machine_can(tiny_models, tmp_path):
+    report = edgellm.export(tiny_models["lfm2"][0], output=tmp_path / "c", backends="coreml",
+                            max_seq_len=16, quiet=True)
+    rewrite, graph = report["verify"]["checks"]
+    assert rewrite["level"] == "rewrite" and rewrite["passed"]
+    assert graph["level"] == "exported graph" and graph["passed"]
+    assert "the coreml delegate was not executed" in graph["note"]
+
+
+def test_verify_refuses_a_folder_without_an_export(tmp_path, capsys):
+    assert main(["verify", str(tmp_path)]) == 2
+    assert "No config.yaml in" in capsys.readouterr().err
