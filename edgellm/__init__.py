@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from .errors import ConfigError, EdgeLLMError, InputError, VerificationError
 
-__all__ = ["export", "verify", "generate", "models", "compare", "EdgeLLMError", "InputError", "ConfigError",
+__all__ = ["export", "verify", "bench", "generate", "models", "compare", "EdgeLLMError", "InputError", "ConfigError",
            "VerificationError"]
 
 
@@ -47,6 +47,14 @@ def verify(target, steps: int = 8) -> dict:
     from .verification import verify as run
 
     return run(target, steps=steps)
+
+
+def bench(target, prompt_lengths=(64,), steps: int = 32, repeats: int = 3) -> dict:
+    """Load time, time to first token, prefill and decode speed, peak RSS and decode against the
+    memory-bandwidth floor measured in the same run, for an exported program on this machine."""
+    from .benchmark import bench as run
+
+    return run(target, prompt_lengths=prompt_lengths, steps=steps, repeats=repeats)
 
 
 def generate(pte, prompt: str, n: int = 32, tokenizer=None, on_text=None) -> str:

@@ -120,6 +120,21 @@ def cmd_verify(a) -> int:
     return 0
 
 
+def cmd_bench(a) -> int:
+    from . import bench
+    from .benchmark import table
+
+    try:
+        lengths = [int(n) for n in a.prompt_lengths.split(",") if n.strip()]
+    except ValueError:
+        raise_input(f"--prompt-lengths takes integers separated by commas, got "
+                    f"{a.prompt_lengths!r}")
+    result = bench(a.target, prompt_lengths=lengths, steps=a.steps, repeats=a.repeats)
+    print(table(result))
+    print(json.dumps(result))
+    return 0
+
+
 def cmd_compare(a) -> int:
     from . import compare
     from .report import compare_table
@@ -144,6 +159,12 @@ def main(argv=None) -> int:
     v.add_argument("target", metavar="OUT", help="export folder or its model.pte")
     v.add_argument("--steps", type=int, default=8, help="decode steps per prompt (default 8)")
     v.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    b = sub.add_parser("bench", help="speed of an exported program on this machine")
+    b.add_argument("target", metavar="OUT", help="export folder or its model.pte")
+    b.add_argument("--prompt-lengths", default="64",
+                   help="comma-separated prompt lengths for prefill (default 64)")
+    b.add_argument("--steps", type=int, default=32, help="decode steps per run (default 32)")
+    b.add_argument("--repeats", type=int, default=3, help="runs; the best is kept (default 3)")
     c = sub.add_parser("compare", help="two exports side by side: delegation and per-op deltas")
     c.add_argument("a", metavar="A", help="export folder or its report.json")
     c.add_argument("b", metavar="B", help="export folder or its report.json")
@@ -157,7 +178,7 @@ def main(argv=None) -> int:
     if not a.debug:
         quiet_libraries()
     run = {"export": cmd_export, "generate": cmd_generate, "models": cmd_models,
-           "compare": cmd_compare, "verify": cmd_verify}[a.command]
+           "compare": cmd_compare, "verify": cmd_verify, "bench": cmd_bench}[a.command]
     try:
         return run(a)
     except EdgeLLMError as e:

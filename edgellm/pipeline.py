@@ -74,6 +74,7 @@ def metadata(cfg: ExportConfig, source, dynamic: bool, custom_sdpa: bool) -> dic
 def export(cfg: ExportConfig, quiet: bool = False) -> dict:
     """Run one export as configured; returns the report (also written as report.json)."""
     from .architectures import build_model
+    from .architectures.layers import weight_bytes
     from .capture import export_methods
     from .lower import lower
     from .sources import load_source
@@ -93,11 +94,12 @@ def export(cfg: ExportConfig, quiet: bool = False) -> dict:
             model = build_model(source.hf_config, source.state_dict, opts,
                                 TORCH_DTYPES[cfg.dtype])
             source.state_dict = {}  # the model holds the tensors now
+        weights_per_token = weight_bytes(model)
         if cfg.quantize:
             with stages.stage("quantize"):
                 from .quantize import quantize
 
-                quantize(model, cfg.quantize, cfg.group_size)
+                weights_per_token -= quantize(model, cfg.quantize, cfg.group_size)
         with stages.stage("export"):
             programs = export_methods(model, cfg.max_seq_len, plan.dynamic_shapes,
                                       cfg.prefill_chunk)
@@ -115,7 +117,7 @@ def export(cfg: ExportConfig, quiet: bool = False) -> dict:
         pte_bytes = (tmp / "model.pte").stat().st_size
         del lowered.program  # serialized; verification below needs the memory
         rep = build_report(cfg, plan, source, lowered, stages, (files, pte_bytes))
-        rep["delegates"] = delegates
+        rep["delegates"], rep["weight_bytes_per_token"] = delegates, weights_per_token
         reports.write(rep, tmp)
         if cfg.verify:
             with stages.stage("verify"):

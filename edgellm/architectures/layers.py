@@ -239,6 +239,21 @@ def head_weight(lm: nn.Module) -> torch.Tensor:
     return head.weight if head is not None else lm.model.embed_tokens.weight
 
 
+def weight_bytes(lm: nn.Module) -> int:
+    """Bytes of weights one decode step reads: every parameter once (shared storage once), except
+    that an untied embedding table is only gathered a row at a time."""
+    seen, total = set(), 0
+    embed = lm.model.embed_tokens.weight
+    for name, p in lm.named_parameters():
+        if p.data_ptr() in seen:
+            continue
+        seen.add(p.data_ptr())
+        total += p.numel() * p.element_size()
+    if head_weight(lm).data_ptr() != embed.data_ptr():
+        total -= embed.numel() * embed.element_size() - embed.shape[1] * embed.element_size()
+    return total
+
+
 def separate_tied_head(lm: nn.Module) -> None:
     """Give a tied head its own Parameter over the embedding's storage (no copy). XNNPACK puts a
     linear whose weight the (undelegated) embedding also reads into a partition of its own; as

@@ -1,0 +1,75 @@
+"""Prefill and decode of two programs of the same weights, interleaved in one process: ExecuTorch
+`export_llm`'s .pte (from ../shared/bench/anchor.sh) and edgellm's, through the same runtime.
+
+usage: python bench/speed_vs_anchor.py ANCHOR.pte EDGELLM_OUT [--rounds 5] [--steps 32]
+           [--prompt 64]
+
+Each round measures a 64-token prefill (one call) and the median of `steps` single-token decode
+calls for one program, then the other, alternating which goes first. Figures are medians over
+rounds; decode is also given against the memory-bandwidth floor (weights read per token from
+edgellm's report, bandwidth measured in this run). The last line is one JSON object.
+"""
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import torch
+
+from edgellm.benchmark import bandwidth_gbs, decode_step, timed
+from edgellm.runtime import Program, native_logs
+
+
+def measure(program, prompt: list[int], steps: int) -> tuple[float, float]:
+    prefill_s = timed(lambda: program.forward(torch.tensor([prompt]), torch.tensor([0])))
+    return len(prompt) / prefill_s, 1 / decode_step(program, len(prompt), steps)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("anchor")
+    p.add_argument("edgellm")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--prompt", type=int, default=64)
+    a = p.parse_args()
+    out = Path(a.edgellm)
+    programs = {"export_llm": Program(a.anchor), "edgellm": Program(out / "model.pte")}
+    weights = json.loads((out / "report.json").read_text())["weight_bytes_per_token"]
+    prompt = torch.randint(0, 60000, (a.prompt,), generator=torch.Generator().manual_seed(0))
+    runs = {name: {"prefill": [], "decode": []} for name in programs}
+    with native_logs():
+        for name in programs:  # warm-up: first calls allocate and pack weights
+            measure(programs[name], prompt.tolist(), 4)
+        for r in range(a.rounds):
+            order = list(programs) if r % 2 == 0 else list(reversed(programs))
+            for name in order:
+                prefill, decode = measure(programs[name], prompt.tolist(), a.steps)
+                runs[name]["prefill"].append(prefill)
+                runs[name]["decode"].append(decode)
+    bw = bandwidth_gbs()
+    floor_tok_s = bw * 1e9 / weights
+    result = {"rounds": a.rounds, "steps": a.steps, "prompt_tokens": a.prompt,
+              "weight_bytes_per_token": weights, "bandwidth_gbs": round(bw, 2),
+              "floor_decode_tok_s": round(floor_tok_s, 2)}
+    for name, r in runs.items():
+        result[name] = {"prefill_tok_s": round(statistics.median(r["prefill"]), 1),
+                        "decode_tok_s": round(statistics.median(r["decode"]), 2),
+                        "decode_floor_fraction": round(statistics.median(r["decode"]) /
+                                                       floor_tok_s, 3),
+                        "decode_all": [round(x, 2) for x in r["decode"]],
+                        "prefill_all": [round(x, 1) for x in r["prefill"]]}
+    for k in ("prefill_tok_s", "decode_tok_s"):
+        result[f"{k}_ratio"] = round(result["edgellm"][k] / result["export_llm"][k], 3)
+    print("| figure | export_llm | edgellm | ratio |\n|---|---|---|---|")
+    for k in ("prefill_tok_s", "decode_tok_s", "decode_floor_fraction"):
+        a_, e = result["export_llm"][k], result["edgellm"][k]
+        print(f"| {k} | {a_} | {e} | {round(e / a_, 3)} |")
+    print(f"\nbandwidth {result['bandwidth_gbs']} GB/s, {weights / 1e9:.3f} GB of weights per "
+          f"token: floor {result['floor_decode_tok_s']} tok/s")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

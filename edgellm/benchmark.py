@@ -1,0 +1,110 @@
+"""Speed of an exported program on this machine, against the memory-bandwidth floor measured in the
+same run (as gpt-fast reports GB/s beside tok/s).
+
+Decode on a CPU reads every weight once per token, so the fastest possible decode step takes
+`weight bytes / memory bandwidth`; `floor_fraction` is that time over the measured step (1.0 would
+be as fast as memory allows). Weight bytes come from the export report (`weight_bytes_per_token`:
+every weight the head and layers read, each shared tensor once; an untied embedding table counts
+one row), or the .pte size for programs exported before it was recorded.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from .errors import InputError
+
+
+def bandwidth_gbs(megabytes: int = 1024, repeats: int = 5) -> float:
+    """Memory read bandwidth: the best of `repeats` sums over a tensor far larger than caches."""
+    x = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return x.numel() * 4 / best / 1e9
+
+
+def timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def bench(target, prompt_lengths=(64,), steps: int = 32, repeats: int = 3) -> dict:
+    """Load time, time to first token, prefill tok/s per prompt length, decode tok/s (median
+    per-token time over `steps` calls, best of `repeats` runs), peak RSS and effective bandwidth."""
+    from .progress import peak_rss_mb
+    from .runtime import Program, native_logs
+
+    pte = Path(target) / "model.pte" if Path(target).is_dir() else Path(target)
+    t0 = time.perf_counter()
+    program = Program(pte)
+    load_s = time.perf_counter() - t0
+    lengths = [n for n in prompt_lengths if n + steps <= program.max_context_len]
+    if not lengths:
+        raise InputError(f"Every prompt length in {list(prompt_lengths)} plus {steps} decode "
+                         f"steps exceeds max_context_len {program.max_context_len}; give "
+                         "shorter --prompt-lengths or fewer --steps.")
+    vocab = int(program.meta.get("get_vocab_size", 1000))
+    g = torch.Generator().manual_seed(0)
+    prefill_s: dict[int, float] = {}
+    decode_s = float("inf")
+    with native_logs():
+        for _ in range(repeats):
+            for n in lengths:
+                ids = torch.randint(0, vocab, (n,), generator=g).tolist()
+                prefill_s[n] = min(prefill_s.get(n, float("inf")),
+                                   timed(lambda: program.prefill(ids)))
+            decode_s = min(decode_s, decode_step(program, lengths[0], steps))
+    return figures(pte, program, load_s, prefill_s, decode_s, peak_rss_mb())
+
+
+def decode_step(program, start: int, steps: int) -> float:
+    """Median seconds per single-token forward call from position `start`."""
+    times = []
+    tok = torch.tensor([[1]])
+    for i in range(steps):
+        times.append(timed(lambda: program.forward(tok, torch.tensor([start + i]))))
+    return statistics.median(times)
+
+
+def figures(pte: Path, program, load_s, prefill_s, decode_s, rss) -> dict:
+    report = pte.parent / "report.json"
+    weights = None
+    if report.is_file():
+        weights = json.loads(report.read_text()).get("weight_bytes_per_token")
+    weights = weights or pte.stat().st_size
+    bw = bandwidth_gbs()
+    floor_s = weights / (bw * 1e9)
+    first = min(prefill_s)
+    return {"program": str(pte), "load_s": round(load_s, 3),
+            "ttft_s": round(prefill_s[first], 4), "ttft_prompt_tokens": first,
+            "prefill_tok_s": {str(n): round(n / s, 1) for n, s in prefill_s.items()},
+            "decode_tok_s": round(1 / decode_s, 2), "decode_ms": round(decode_s * 1e3, 2),
+            "peak_rss_mb": round(rss), "weight_bytes_per_token": weights,
+            "effective_gbs": round(weights / decode_s / 1e9, 2),
+            "bandwidth_gbs": round(bw, 2), "floor_ms": round(floor_s * 1e3, 2),
+            "floor_fraction": round(floor_s / decode_s, 3)}
+
+
+def table(r: dict) -> str:
+    rows = [("load", f"{r['load_s']:.2f} s"),
+            ("time to first token", f"{r['ttft_s'] * 1e3:.1f} ms ({r['ttft_prompt_tokens']}-token "
+                                    "prompt)")]
+    rows += [(f"prefill {n}", f"{v} tok/s") for n, v in r["prefill_tok_s"].items()]
+    rows += [("decode", f"{r['decode_tok_s']} tok/s ({r['decode_ms']} ms/token)"),
+             ("weights read per token", f"{r['weight_bytes_per_token'] / 1e6:.1f} MB"),
+             ("effective bandwidth", f"{r['effective_gbs']} GB/s"),
+             ("memory bandwidth (measured now)", f"{r['bandwidth_gbs']} GB/s"),
+             ("decode floor", f"{r['floor_ms']} ms/token; decode at {r['floor_fraction']:.0%} "
+                              "of the floor"),
+             ("peak RSS", f"{r['peak_rss_mb']} MB")]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

@@ -1,0 +1,43 @@
+"""bench's JSON line on a tiny program: every field present and sane (speed is not asserted:
+benchmarks live in bench/, not in timed tests)."""
+
+import json
+
+import edgellm
+from edgellm.cli import main
+
+
+def test_bench_prints_a_table_and_one_json_line(tiny_models, tmp_path, capsys):
+    edgellm.export(tiny_models["llama"][0], output=tmp_path / "x", backends="xnnpack",
+                   max_seq_len=32, max_context_len=64, verify=False, quiet=True)
+    report = json.loads((tmp_path / "x" / "report.json").read_text())
+    assert main(["bench", str(tmp_path / "x"), "--prompt-lengths", "8,16", "--steps", "4",
+                 "--repeats", "1"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    r = json.loads(lines[-1])
+    assert "decode floor" in "\n".join(lines[:-1])
+    assert set(r["prefill_tok_s"]) == {"8", "16"} and all(v > 0 for v in
+                                                          r["prefill_tok_s"].values())
+    assert r["decode_tok_s"] > 0 and r["decode_ms"] > 0 and r["load_s"] > 0
+    assert r["ttft_prompt_tokens"] == 8 and r["ttft_s"] > 0
+    assert r["weight_bytes_per_token"] == report["weight_bytes_per_token"]
+    assert r["bandwidth_gbs"] > 0.1 and 0 < r["floor_fraction"] <= 1.5
+    assert abs(r["effective_gbs"] - r["weight_bytes_per_token"] / r["decode_ms"] / 1e6) < 0.05
+    assert r["peak_rss_mb"] > 0
+
+
+def test_weight_bytes_count_shared_storage_once(tiny_models, tmp_path):
+    """The tiny Llama is untied: its table is gathered a row at a time, its head read whole."""
+    folder, hf = tiny_models["llama"]
+    report = edgellm.export(folder, output=tmp_path / "x", backends="xnnpack", max_seq_len=8,
+                            verify=False, quiet=True)
+    params = sum(p.numel() * 4 for p in hf.parameters())
+    embed = hf.model.embed_tokens.weight
+    assert report["weight_bytes_per_token"] == params - embed.numel() * 4 + embed.shape[1] * 4
+
+
+def test_bench_refuses_prompts_longer_than_the_cache(tiny_models, tmp_path, capsys):
+    edgellm.export(tiny_models["llama"][0], output=tmp_path / "x", backends="xnnpack",
+                   max_seq_len=8, verify=False, quiet=True)
+    assert main(["bench", str(tmp_path / "x"), "--prompt-lengths", "64"]) == 2
+    assert "exceeds max_context_len 8" in capsys.readouterr().err
