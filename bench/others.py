@@ -13,7 +13,8 @@ Each reference is one function that returns one JSON-able dict of figures:
 Every speed is measured the same way: a seeded random prompt of `prompt_len` tokens, one warm-up,
 prefill timed as the median of 3 runs from an empty cache, then `steps` greedy decode steps one
 token at a time, reported as the median step. Only the call into the engine is timed. Two threads
-everywhere (the machine has two cores).
+everywhere (the machine has two cores); with one core busy elsewhere, XNNPACK's two threads run
+about 6x slower, so measure on a quiet machine.
 
 The exporter's program is not edgellm's forward(tokens[1, T], input_pos[1]). transformers exports
 two programs, prefill.pte and decode.pte (one "forward" method each, each with its own copy of the
@@ -26,6 +27,8 @@ weights), and the caches are inputs and outputs, not buffers inside the program:
     decode:  input_ids[1, 1], attention_mask{conv: None, full_attention: bool[1, 1, 1, S]},
              position_ids[1, 1], cache = the leaves prefill returned -> logits[1, 1, V], cache
 
+Both programs also return copies of the inputs they mutate, ahead of the outputs above. Each .pte
+holds the tied embedding twice (embedding and head), so LFM2.5-350M gives 2 x 1.69 GB.
 S is max_seq_len (a StaticCache; the default DynamicCache would bake the prompt's length into
 decode). Shapes are static (ExecutorchConfig's default dynamic=False), so prefill.pte takes exactly
 `prompt_len` tokens. The input order comes from the in_spec that transformers writes to export.json.
@@ -137,7 +140,7 @@ class HfPteMethod:
         self.program = runtime.load_program(folder / entry["file"])  # kept alive beside its method
         self.method = self.program.load_method("forward")
         meta = entry["metadata"]
-        args, kwargs = json.loads(meta["in_spec"])[1]["children_spec"]  # (args=(), kwargs={...})
+        _, kwargs = json.loads(meta["in_spec"])[1]["children_spec"]  # (args=(), kwargs={...})
         self.paths = leaf_paths(kwargs)
         self.n_out_leaves = len(leaf_paths(json.loads(meta["out_spec"])[1]))
         if self.method.metadata.num_inputs() != len(self.paths):
