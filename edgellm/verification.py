@@ -90,9 +90,9 @@ def measure(level: str, actual: list, expected: list, limits: tuple, note: str =
 
 def verify(target, steps: int = 8) -> dict:
     """Verify an export folder (or its model.pte) against the checkpoint its config.yaml names.
-    Returns {"passed", "checks": [...]}; raises nothing for a failed check (see `enforce`)."""
+    Returns {"passed", "checks": [...]}; raises nothing for a failed check (see `enforce`).
+    One model is alive at a time: transformers, then the eager model, then the program."""
     from . import resolve_config
-    from .architectures import build_model
     from .backends import plan_for
     from .runtime import native_logs
     from .sources import load_source
@@ -104,54 +104,62 @@ def verify(target, steps: int = 8) -> dict:
     cfg = resolve_config(config=folder / "config.yaml")
     plan = plan_for(cfg)
     source = load_source(cfg.model, params=cfg.params, model_class=cfg.model_class)
-    reference = transformers_model(source)
-    opts = plan.model_options(cfg.context_len)
-    eager32 = build_model(source.hf_config, dict(source.state_dict), opts, torch.float32)
     steps = max(1, min(steps, cfg.context_len // 2))  # prompt and steps fit in the cache
     longest = min(cfg.max_seq_len, cfg.context_len - steps)
+    reference = transformers_model(source)
     cases = [(p, reference_tokens(reference, p, steps))
              for p in prompts(source.hf_config.vocab_size, longest)]
+    with torch.no_grad():
+        ref = [reference(torch.tensor([p + t[:-1]])).logits[0, len(p) - 1:].float()
+               for p, t in cases]
+    del reference
 
     def collect(forward, prefill):  # eager custom ops log from C++ like the runtime's kernels
         with torch.no_grad(), native_logs():
             return [run_steps(forward, prefill, p, t) for p, t in cases]
 
-    ref = [reference(torch.tensor([p + t[:-1]])).logits[0, len(p) - 1:].float().detach()
-           for p, t in cases]
-    checks = [measure("rewrite", collect(eager32, eager_prefill(eager32)), ref,
-                      THRESHOLDS["fp32"])]
-    del reference
-    checks.append(program_check(folder, cfg, plan, source, eager32, collect))
+    checks = eager_checks(cfg, plan, source, collect, ref)
+    if all(b.runs_here for b in plan.backends):
+        from .runtime import Program
+
+        source.state_dict = {}  # the program holds its own weights; drop ours first
+        program = Program(folder / "model.pte")
+        expected, limits = checks.pop()
+        checks.append(measure("program", collect(program.forward, program.prefill), expected,
+                              limits))
     return {"passed": all(c.passed for c in checks), "steps": steps,
             "prompts": [len(p) for p, _ in cases], "checks": [asdict(c) for c in checks]}
 
 
-def program_check(folder: Path, cfg, plan, source, eager32, collect) -> Check:
-    """The program against the eager model built as the program was."""
+def eager_checks(cfg, plan, source, collect, ref) -> list:
+    """The rewrite check; then either the exported-graph check (programs that cannot run here)
+    or, last in the list, (expected logits, limits) for the program check."""
     from .architectures import build_model
     from .capture import export_forward
     from .pipeline import TORCH_DTYPES
-    from .runtime import Program
 
-    eager = eager32
-    if cfg.dtype != "fp32" or cfg.quantize:
-        eager = build_model(source.hf_config, dict(source.state_dict),
-                            plan.model_options(cfg.context_len), TORCH_DTYPES[cfg.dtype])
+    opts = plan.model_options(cfg.context_len)
+    eager = build_model(source.hf_config, dict(source.state_dict), opts, torch.float32)
+    actual = collect(eager, eager_prefill(eager))
+    checks = [measure("rewrite", actual, ref, THRESHOLDS["fp32"])]
+    if cfg.dtype != "fp32" or cfg.quantize:  # the program's own numerics: build it that way
+        eager = build_model(source.hf_config, dict(source.state_dict), opts,
+                            TORCH_DTYPES[cfg.dtype])
         if cfg.quantize:
             from .quantize import quantize
 
             quantize(eager, cfg.quantize, cfg.group_size)
-    expected = collect(eager, eager_prefill(eager))
+        actual = collect(eager, eager_prefill(eager))
     limits = THRESHOLDS["quantized" if cfg.quantize else cfg.dtype]
     if all(b.runs_here for b in plan.backends):
-        program = Program(folder / "model.pte")
-        return measure("program", collect(program.forward, program.prefill), expected, limits)
+        return checks + [(actual, limits)]
     graph = export_forward(eager, cfg.max_seq_len, plan.dynamic_shapes).module()
     prefill = eager_prefill(graph) if plan.dynamic_shapes else one_by_one(graph)
     names = ", ".join(b.name for b in plan.backends if not b.runs_here)
-    return measure("exported graph", collect(graph, prefill), expected, limits,
-                   note=f"the {names} delegate was not executed: this machine's ExecuTorch "
-                        "runtime cannot run it; the exported graph before lowering was checked")
+    return checks + [measure("exported graph", collect(graph, prefill), actual, limits,
+                             note=f"the {names} delegate was not executed: this machine's "
+                                  "ExecuTorch runtime cannot run it; the exported graph before "
+                                  "lowering was checked")]
 
 
 def one_by_one(forward):
@@ -165,8 +173,10 @@ def one_by_one(forward):
 def transformers_model(source):
     """transformers' own model on the source's weights (assigned, not copied)."""
     from transformers import AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
 
-    model = AutoModelForCausalLM.from_config(source.hf_config, dtype=torch.float32)
+    with no_init_weights():  # every weight is assigned below; skip the random init
+        model = AutoModelForCausalLM.from_config(source.hf_config, dtype=torch.float32)
     state = {k: v.float() for k, v in source.state_dict.items()}
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     if unexpected or set(missing) - {"lm_head.weight"}:
