@@ -19,7 +19,7 @@ from . import report as reports
 from .backends import plan_for
 from .config import ExportConfig, dump_yaml
 from .errors import InputError
-from .progress import Stages, peak_rss_mb
+from .progress import Stages, peak_rss_mb, release_memory
 
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -104,6 +104,7 @@ def export(cfg: ExportConfig, quiet: bool = False) -> dict:
             programs = export_methods(model, cfg.max_seq_len, plan.dynamic_shapes,
                                       cfg.prefill_chunk)
             del model
+            release_memory()  # the module graph holds cycles; free it before lowering
         with stages.stage("lower"):
             meta = metadata(cfg, source, plan.dynamic_shapes, opts.attention == "custom_ops")
             lowered = lower(programs, plan.partitioners(), meta, cfg.etrecord)
@@ -120,6 +121,7 @@ def export(cfg: ExportConfig, quiet: bool = False) -> dict:
         rep["delegates"], rep["weight_bytes_per_token"] = delegates, weights_per_token
         reports.write(rep, tmp)
         if cfg.verify:
+            release_memory()
             with stages.stage("verify"):
                 from .verification import verify
 

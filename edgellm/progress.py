@@ -14,6 +14,25 @@ def peak_rss_mb() -> float:
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
 
 
+def rss_mb() -> float:
+    """The process's resident set now."""
+    with open("/proc/self/statm") as f:
+        return round(int(f.read().split()[1]) * resource.getpagesize() / 2**20, 1)
+
+
+def release_memory() -> None:
+    """Collect garbage and hand freed heap pages back to the OS (glibc keeps them otherwise, so
+    the next stage would stack its peak on the previous stage's)."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        pass
+
+
 class Stages:
     def __init__(self, quiet: bool = False, stream=None):
         self.quiet, self.stream = quiet, stream or sys.stderr

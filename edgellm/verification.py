@@ -94,6 +94,7 @@ def verify(target, steps: int = 8) -> dict:
     One model is alive at a time: transformers, then the eager model, then the program."""
     from . import resolve_config
     from .backends import plan_for
+    from .progress import release_memory
     from .runtime import native_logs
     from .sources import load_source
 
@@ -123,6 +124,7 @@ def verify(target, steps: int = 8) -> dict:
         from .runtime import Program
 
         source.state_dict = {}  # the program holds its own weights; drop ours first
+        release_memory()  # modules hold cycles (bound hooks): free the eager model now
         program = Program(folder / "model.pte")
         expected, limits = checks.pop()
         checks.append(measure("program", collect(program.forward, program.prefill), expected,
