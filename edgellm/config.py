@@ -181,6 +181,10 @@ def _problems(cfg: ExportConfig) -> list[str]:
     if cfg.group_size is not None and cfg.quantize is None:
         out.append(f"group_size: {cfg.group_size} is set but quantize is not; set quantize "
                    f"(one of {', '.join(QUANTIZE)}) or drop group_size")
+    if cfg.quantize == "8da8w" and isinstance(cfg.group_size, int) and cfg.group_size > 0:
+        out.append(f"group_size: {cfg.group_size} with 8da8w; XNNPACK quantizes 8-bit weights "
+                   "per channel only (group-wise kernels exist for 4-bit): use group_size 0 or "
+                   "leave it unset")
     if isinstance(cfg.group_size, int) and cfg.group_size < 0:
         out.append(f"group_size: {cfg.group_size} is negative; use 0 for per-channel")
     if cfg.params is not None and (cfg.model is None or str(cfg.model).endswith(".gguf")):

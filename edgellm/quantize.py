@@ -3,7 +3,8 @@
 A recipe is a torchao config handed to `quantize_`; nothing here quantizes by hand. The recipes
 match ExecuTorch `export_llm`'s `qmode` of the same name (HQQ scale search, group size 128 unless
 given, linears whose input width the group does not divide left in float), so an ExecuTorch YAML
-config means the same thing here.
+config means the same thing here. 8da8w is per channel: XNNPACK has group-wise kernels for 4-bit
+weights only (export_llm's 8da8w with its default group of 128 fails inside XNNPACK).
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ from .errors import InputError
 
 DEFAULT_GROUP = 128
 BITS = {"8da4w": 4, "8da8w": 8}  # weight bits per recipe (config.QUANTIZE names the backends)
+# (minimum SQNR dB, minimum top-1 agreement) of a program with the recipe against the float
+# model, checked by verify: the accuracy a recipe promises
+ACCURACY_BOUNDS = {"8da4w": (10.0, 0.6), "8da8w": (20.0, 0.8)}
 
 
 def quantize(model: nn.Module, recipe: str, group_size: int | None) -> int:
@@ -24,7 +28,8 @@ def quantize(model: nn.Module, recipe: str, group_size: int | None) -> int:
     from torchao.quantization.granularity import PerAxis, PerGroup
 
     bits = BITS[recipe]
-    group = DEFAULT_GROUP if group_size is None else group_size
+    default = DEFAULT_GROUP if bits == 4 else 0  # XNNPACK has group-wise kernels for 4 bits only
+    group = default if group_size is None else group_size
     chosen = []
 
     def linear_fits(module, fqn):

@@ -6,6 +6,8 @@
   the program was (dtype, quantization): the lowering changed no math. Programs this machine cannot
   run (Core ML, Vulkan) are checked one step earlier, as the exported graph (`torch.export`
   output) before any delegate, and the report says that the delegate itself did not run.
+- quantization (quantized programs): the program against transformers in fp32, within the
+  recipe's stated bounds: what the recipe costs in accuracy.
 
 Every check feeds the same tokens to both sides (the reference's greedy continuation), over a
 prefill and `steps` decode calls per prompt, starting each prompt at position 0 (which resets the
@@ -30,7 +32,7 @@ PROMPT_LENGTHS = (5, 11)
 
 @dataclass(frozen=True)
 class Check:
-    level: str  # "rewrite", "program" or "exported graph"
+    level: str  # "rewrite", "program", "exported graph" or "quantization"
     passed: bool
     min_sqnr_db: float
     min_top1: float
@@ -127,8 +129,13 @@ def verify(target, steps: int = 8) -> dict:
         release_memory()  # modules hold cycles (bound hooks): free the eager model now
         program = Program(folder / "model.pte")
         expected, limits = checks.pop()
-        checks.append(measure("program", collect(program.forward, program.prefill), expected,
-                              limits))
+        actual = collect(program.forward, program.prefill)
+        checks.append(measure("program", actual, expected, limits))
+        if cfg.quantize:  # what the recipe costs: the program against the float model
+            from .quantize import ACCURACY_BOUNDS
+
+            checks.append(measure("quantization", actual, ref, ACCURACY_BOUNDS[cfg.quantize],
+                                  note=f"{cfg.quantize} program against transformers in fp32"))
     return {"passed": all(c.passed for c in checks), "steps": steps,
             "prompts": [len(p) for p, _ in cases], "checks": [asdict(c) for c in checks]}
 
