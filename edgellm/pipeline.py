@@ -146,7 +146,10 @@ def write_outputs(folder: Path, cfg: ExportConfig, source, lowered) -> dict:
     with open(folder / "model.pte", "wb") as f:
         lowered.program.write_to_file(f)
     files = {"program": "model.pte", "config": "config.yaml"}
-    (folder / "config.yaml").write_text(dump_yaml(dataclasses.replace(cfg, model=source.origin)))
+    # absolute paths: the file replays (and `edgellm verify` reads it) from any directory
+    paths = {k: str(Path(v).resolve()) for k, v in (("model", source.origin),
+             ("params", cfg.params), ("tokenizer", cfg.tokenizer)) if v is not None}
+    (folder / "config.yaml").write_text(dump_yaml(dataclasses.replace(cfg, **paths)))
     if source.write_tokenizer(folder):
         files["tokenizer"] = "tokenizer.json"
     if cfg.etrecord:
