@@ -111,6 +111,10 @@ def _backends(section, out, problems):
         return
     chain = []
     for backend, fields in section.items():
+        if not isinstance(fields or {}, Mapping):
+            problems.append(f"backend.{backend}: expected a mapping of fields such as "
+                            f"enabled: true, got {fields!r}")
+            continue
         fields = dict(fields or {})
         if not fields.pop("enabled", False):
             continue
