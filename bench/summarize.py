@@ -58,11 +58,10 @@ def summarize(config, folder, log):
 
 def core_ml_payload(pte: Path) -> dict:
     """MIL figures of the forward Core ML delegate of any program (the reference's included)."""
-    from edgellm.backends.coreml import _describe, _payloads
+    from edgellm.backends.coreml import describe_payloads
 
-    for method, _, _, package in _payloads(pte):
-        if method == "forward":
-            d = _describe(package, method)
+    for d in describe_payloads(pte):
+        if d["method"] == "forward":
             return dict(mil_ops=d["mil_ops"], mil_histogram=d["mil_histogram"],
                         core_ml_states=len(d["states"]))
     return {}

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 from pathlib import Path
@@ -16,26 +17,40 @@ from .errors import InputError
 QUIET_NATIVE_LOGS = False  # set by the CLI: the runtime's C++ info lines go to /dev/null
 
 
+_SILENCING = [0]  # depth of nested native_logs() blocks; only the outermost redirects
+
+
 @contextlib.contextmanager
 def native_logs():
     """ExecuTorch's kernels log on stderr from C++ on every call ("No temp allocator provided");
-    with QUIET_NATIVE_LOGS they are discarded. Python exceptions still carry the errors."""
-    if not QUIET_NATIVE_LOGS:
-        yield
+    with QUIET_NATIVE_LOGS they are discarded. Python exceptions still carry the errors. Cheap
+    inside an outer block (a decode loop wrapped once costs two dup2 calls, not two per token)."""
+    if not QUIET_NATIVE_LOGS or _SILENCING[0]:
+        _SILENCING[0] += 1
+        try:
+            yield
+        finally:
+            _SILENCING[0] -= 1
         return
-    import ctypes
-
-    libc = ctypes.CDLL(None)
     sys.stderr.flush()
     saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
     os.dup2(null, 2)
+    _SILENCING[0] += 1
     try:
         yield
     finally:
-        libc.fflush(None)  # C stdio buffers what the kernels logged; drop it with the rest
+        _SILENCING[0] -= 1
+        _libc().fflush(None)  # C stdio buffers what the kernels logged; drop it with the rest
         os.dup2(saved, 2)
         os.close(saved)
         os.close(null)
+
+
+@functools.lru_cache(maxsize=1)
+def _libc():
+    import ctypes
+
+    return ctypes.CDLL(None)
 
 
 METADATA = ("get_max_seq_len", "get_max_context_len", "get_vocab_size", "get_n_layers",

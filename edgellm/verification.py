@@ -51,13 +51,16 @@ def prompts(vocab: int, longest: int, seed: int = 0) -> list[list[int]]:
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
-def reference_tokens(model, prompt: list[int], steps: int) -> list[int]:
-    """Greedy continuation by transformers, recomputing the whole sequence each step."""
+def reference_run(model, prompt: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
+    """Greedy continuation by transformers, recomputing the whole sequence each step, and the
+    logits after the prompt and after each generated token but the last: (steps, vocab), which the
+    last step's full-sequence call already holds."""
     ids = list(prompt)
     with torch.no_grad():
         for _ in range(steps):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
+            logits = model(torch.tensor([ids])).logits[0]
+            ids.append(int(logits[-1].argmax()))
+    return ids[len(prompt):], logits[len(prompt) - 1:].float()
 
 
 def run_steps(forward, prefill, prompt: list[int], tokens: list[int]) -> torch.Tensor:
@@ -110,12 +113,10 @@ def verify(target, steps: int = 8) -> dict:
     steps = max(1, min(steps, cfg.context_len // 2))  # prompt and steps fit in the cache
     longest = min(cfg.max_seq_len, cfg.context_len - steps)
     reference = transformers_model(source)
-    cases = [(p, reference_tokens(reference, p, steps))
-             for p in prompts(source.hf_config.vocab_size, longest)]
-    with torch.no_grad():
-        ref = [reference(torch.tensor([p + t[:-1]])).logits[0, len(p) - 1:].float()
-               for p, t in cases]
-    del reference
+    runs = [(p, *reference_run(reference, p, steps))
+            for p in prompts(source.hf_config.vocab_size, longest)]
+    cases, ref = [(p, t) for p, t, _ in runs], [logits for _, _, logits in runs]
+    del reference, runs
 
     def collect(forward, prefill):  # eager custom ops log from C++ like the runtime's kernels
         with torch.no_grad(), native_logs():

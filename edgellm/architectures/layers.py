@@ -21,12 +21,6 @@ from torch import nn
 
 from ..errors import InputError
 
-NORMS = ("mean", "rms_norm", "linear_mean")
-ATTENTIONS = ("custom_ops", "sdpa")
-ROPES = ("rotate", "matrix")
-CONVS = ("conv1d", "window")
-
-
 @dataclass(frozen=True)
 class ModelOptions:
     """How to write the model for a backend, and the sizes of its state."""

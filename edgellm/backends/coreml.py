@@ -82,17 +82,20 @@ def inspect_delegates(pte: Path, options: CoreMLOptions, states: dict) -> list[d
     on Linux), describe it for the report and check where state ended up against `options.state`.
     `states` is {method: {buffer fqn: {"shape", "dtype", "kept_by_executorch"}}}, taken from the
     exported programs. Raises VerificationError naming every buffer in the wrong place."""
-    entries, problems = [], []
-    for method, index, specs, package in _payloads(pte):
-        entry = {"method": method, "index": index, **_compile_settings(specs),
-                 **_describe(package, method)}
-        problems += _lint(entry, options.state, states.get(method, {}))
-        entries.append(entry)
+    entries = describe_payloads(pte)
+    problems = [p for e in entries for p in _lint(e, options.state, states.get(e["method"], {}))]
     if problems:
         raise VerificationError(
             f"The Core ML delegate disagrees with state policy '{options.state}': "
             + "; ".join(problems) + ". This is an edgellm bug; please report it with report.json.")
     return entries
+
+
+def describe_payloads(pte: Path) -> list[dict]:
+    """What every Core ML delegate of any .pte holds (edgellm's or another exporter's): method,
+    compile settings, inputs, outputs, states and MIL operations."""
+    return [{"method": method, "index": index, **_compile_settings(specs),
+             **_describe(package, method)} for method, index, specs, package in _payloads(pte)]
 
 
 def _payloads(pte: Path):

@@ -96,10 +96,10 @@ CHECKED_FIELDS = ("model_type", "hidden_size", "num_hidden_layers", "num_attenti
 
 def check_params(params: str, model_class: str | None, source: Source) -> None:
     """An ExecuTorch params JSON given beside a Hugging Face folder must describe the same model."""
-    from .executorch import read_params, hf_config_from_params
+    from .executorch import MODEL_CLASSES, hf_config_from_params, read_params
 
-    cls = model_class or {"lfm2": "lfm2_5_350m", "llama": "llama3"}.get(
-        source.hf_config.model_type, "llama3")
+    model_type = source.hf_config.model_type  # any class of the folder's architecture reads it
+    cls = model_class or next((c for c, a in MODEL_CLASSES.items() if a == model_type), "llama3")
     described = hf_config_from_params(read_params(Path(params)), cls)
     wrong = [f"{f} {getattr(described, f, None)!r} vs {getattr(source.hf_config, f, None)!r}"
              for f in CHECKED_FIELDS
