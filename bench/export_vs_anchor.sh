@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # edgellm beside ExecuTorch's export_llm on the same LFM2.5-350M weights (max_seq_len 512).
 #
-# usage: bench/export_vs_anchor.sh OUTDIR [CONFIG ...]     CONFIG: coreml_fp32 xnnpack_fp32
+# usage: bench/export_vs_anchor.sh OUTDIR [CONFIG ...]
+#   CONFIG: coreml_fp32 xnnpack_fp32 xnnpack_q8da4w (export_llm's configs; edgellm runs the same
+#   settings) or xnnpack_q8da4w_emb4 (edgellm only: 8da4w with 4-bit embeddings; its anchor row
+#   is export_llm's xnnpack_q8da4w)
 #   env SKIP_ANCHOR=1 reuses OUTDIR/anchor.jsonl from an earlier anchor run of the same session.
 # Runs ../shared/bench/anchor.sh (the reference), then edgellm on OUTDIR/hf for each config, and
 # prints one table; the last line is one JSON object with both sides and the ratios.
@@ -19,6 +22,9 @@ for c in $configs; do
     # the reference config sets ios 18 and cpu_and_ne and leaves precision at fp16, as here
     coreml_fp32) args="--backend coreml coreml.min_ios=18 coreml.compute_units=cpu_and_ne" ;;
     xnnpack_fp32) args="--backend xnnpack" ;;
+    # export_llm's qmode 8da4w: group 128, HQQ scales, embeddings and head as the config leaves
+    xnnpack_q8da4w) args="--backend xnnpack --quantize 8da4w" ;;
+    xnnpack_q8da4w_emb4) args="--backend xnnpack --quantize 8da4w --embedding-quantize 4,32" ;;
     *) echo "unknown config $c" >&2; exit 2 ;;
   esac
   /usr/bin/time -v "$py" -m edgellm.cli export "$out/hf" -o "$out/edgellm_$c" --force \

@@ -28,8 +28,12 @@ def _export_parser(sub):
     p.add_argument("--prefill-chunk", type=int,
                    help="also export a `prefill` method taking this many tokens per call")
     p.add_argument("--dtype", choices=("fp32", "fp16", "bf16"))
-    p.add_argument("--quantize", help="weight recipe: 8da4w, 8da8w (xnnpack)")
-    p.add_argument("--group-size", type=int, help="quantization group size (0: per channel)")
+    p.add_argument("--quantize", help="linear weight recipe: 8da4w, 8da8w (xnnpack); "
+                   "4w, 8w (coreml, weight-only)")
+    p.add_argument("--group-size", type=int, help="quantization group size (0: per channel; "
+                   "default 128 for 8da4w, 32 for 4w)")
+    p.add_argument("--embedding-quantize", metavar="BITS[,GROUP]",
+                   help="quantize embedding tables: 8 or 4 bits, e.g. 8 or 4,32")
     p.add_argument("--etrecord", action="store_true", default=None,
                    help="also write etrecord.bin for ExecuTorch's devtools")
     p.add_argument("--force", action="store_true", default=None,
@@ -52,7 +56,8 @@ def cmd_export(a) -> int:
                     quiet=a.quiet or a.json, output=a.output, backends=a.backends,
                     max_seq_len=a.max_seq_len, max_context_len=a.max_context_len,
                     prefill_chunk=a.prefill_chunk, dtype=a.dtype, quantize=a.quantize,
-                    group_size=a.group_size, etrecord=a.etrecord, force=a.force,
+                    group_size=a.group_size,
+                    embedding_quantize=a.embedding_quantize, etrecord=a.etrecord, force=a.force,
                     verify=a.verify)
     print(json.dumps(report) if a.json else summary(report))
     return 0

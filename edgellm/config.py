@@ -19,12 +19,9 @@ from typing import Any, Mapping
 import yaml
 
 from .errors import ConfigError
+from .quantize import problems as quantize_problems
 
 DTYPES = ("fp32", "fp16", "bf16")
-
-
-# quantization recipe -> the backends with kernels for it (edgellm/quantize.py applies them)
-QUANTIZE = {"8da4w": ("xnnpack",), "8da8w": ("xnnpack",)}
 
 
 @dataclass(frozen=True)
@@ -36,8 +33,9 @@ class ExportConfig:
     max_context_len: int | None = None  # KV cache length; defaults to max_seq_len
     prefill_chunk: int = 0  # >0: also a `prefill` method taking this many tokens per call
     dtype: str = "fp32"
-    quantize: str | None = None  # weight recipe: 8da4w, 8da8w
+    quantize: str | None = None  # linear weight recipe (quantize.RECIPES): 8da4w, 8da8w, 4w, 8w
     group_size: int | None = None  # quantization group along the input dim; 0: per channel
+    embedding_quantize: str | None = None  # embedding tables: "BITS[,GROUP]", e.g. "8", "4,32"
     etrecord: bool = False
     verify: bool = True  # check the program against the checkpoint at the end (verification.py)
     force: bool = False
@@ -172,21 +170,7 @@ def _problems(cfg: ExportConfig) -> list[str]:
     out = []
     if cfg.dtype not in DTYPES:
         out.append(f"dtype: '{cfg.dtype}' is not one of {', '.join(DTYPES)}")
-    if cfg.quantize is not None and cfg.quantize not in QUANTIZE:
-        out.append(f"quantize: '{cfg.quantize}' is not one of {', '.join(QUANTIZE)}")
-    elif cfg.quantize and cfg.backends and cfg.backends[0] not in QUANTIZE[cfg.quantize]:
-        out.append(f"quantize: {cfg.quantize} (8-bit dynamic activations) runs on "
-                   f"{', '.join(QUANTIZE[cfg.quantize])} kernels, not on {cfg.backends[0]}; "
-                   "choose that backend or drop quantize")
-    if cfg.group_size is not None and cfg.quantize is None:
-        out.append(f"group_size: {cfg.group_size} is set but quantize is not; set quantize "
-                   f"(one of {', '.join(QUANTIZE)}) or drop group_size")
-    if cfg.quantize == "8da8w" and isinstance(cfg.group_size, int) and cfg.group_size > 0:
-        out.append(f"group_size: {cfg.group_size} with 8da8w; XNNPACK quantizes 8-bit weights "
-                   "per channel only (group-wise kernels exist for 4-bit): use group_size 0 or "
-                   "leave it unset")
-    if isinstance(cfg.group_size, int) and cfg.group_size < 0:
-        out.append(f"group_size: {cfg.group_size} is negative; use 0 for per-channel")
+    out.extend(quantize_problems(cfg))
     if cfg.params is not None and (cfg.model is None or str(cfg.model).endswith(".gguf")):
         out.append("params: an ExecuTorch params JSON describes a .pth checkpoint (or is checked "
                    f"against a Hugging Face folder), but model is {cfg.model!r}; a GGUF carries "

@@ -30,8 +30,15 @@ RENAMES = {"base.model_class": "model_class", "base.params": "params",
            "model.use_sdpa_with_kv_cache": "_custom_sdpa",
            "export.max_seq_length": "max_seq_len", "export.max_context_length": "max_context_len",
            "export.output_name": "_output_name", "export.output_dir": "_output_dir",
-           "quantization.qmode": "quantize", "quantization.group_size": "group_size",
+           "quantization.group_size": "group_size",
            "debug.generate_etrecord": "etrecord"}
+# quantization.qmode -> edgellm recipe (quantize.py); export_llm's int8 and 4w are weight-only
+QMODES = {"8da4w": "8da4w", "8da8w": "8da8w", "int8": "8w", "4w": "4w"}
+# quantization.pt2e_quantize -> (recipe, group_size): the same math through torchao
+PT2E = {"xnnpack_dynamic": ("8da8w", 0), "xnnpack_dynamic_qc4": ("8da4w", 0),
+        "coreml_c4w": ("4w", 0)}
+# backend.coreml.quantize -> (recipe, group_size)
+COREML_QUANTIZE = {"b4w": ("4w", 32), "c4w": ("4w", 0)}
 # fields whose only value edgellm can honour is the one it always has
 FIXED = {"model.use_kv_cache": (True, "edgellm programs always keep a KV cache"),
          "quantization.use_hqq": (True, "edgellm's recipes choose scales with HQQ"),
@@ -71,6 +78,8 @@ def _field(name: str, value, out: dict, problems: list[str]) -> None:
                             f"{str(honoured).lower()})")
     elif name == "base.metadata":
         _metadata(name, value, out, problems)
+    elif name.startswith("quantization.") and value is not None:
+        _quantization(name, value, out, problems)
     elif value is not None:
         problems.append(_refused(name, value))
 
@@ -92,6 +101,41 @@ def _metadata(name, value, out, problems):
         else:
             problems.append(f"{name}: key '{key}' is not supported; edgellm writes its own "
                             "runner metadata and takes get_bos_id and get_eos_ids from here")
+
+
+def _quantization(name, value, out, problems):
+    """qmode, embedding_quantize and pt2e_quantize onto edgellm's recipes (quantize.py)."""
+    if name == "quantization.qmode" and value in QMODES:
+        _recipe(name, QMODES[value], None, out, problems)
+    elif name == "quantization.qmode" and str(value).startswith("torchao:"):
+        problems.append(f"{name}: {value!r} needs torchao's own CPU kernel library, which the "
+                        "ExecuTorch wheel does not ship; use qmode: 8da4w (XNNPACK kernels)")
+    elif name == "quantization.embedding_quantize" and not str(value).startswith("torchao:"):
+        out["embedding_quantize"] = str(value)
+    elif name == "quantization.embedding_quantize":
+        problems.append(f"{name}: {value!r} needs torchao's own CPU kernel library, which the "
+                        "ExecuTorch wheel does not ship; use the BITS,GROUP form (e.g. '4,32')")
+    elif name == "quantization.pt2e_quantize" and value in PT2E:
+        _recipe(name, *PT2E[value], out, problems)
+    elif name == "quantization.pt2e_quantize":
+        problems.append(f"{name}: {value!r} is not supported; edgellm quantizes weights through "
+                        f"torchao (pt2e recipes it maps: {', '.join(PT2E)}); static activation "
+                        "quantization needs calibration data, which edgellm does not take")
+    else:
+        problems.append(_refused(name, value))
+
+
+def _recipe(name, recipe, group, out, problems):
+    if out.get("quantize") not in (None, recipe) or (
+            group is not None and out.get("group_size") not in (None, group)):
+        chosen = f"{out.get('quantize')} (group_size {out.get('group_size')})"
+        problems.append(f"{name}: asks for {recipe}"
+                        f"{'' if group is None else f' with group_size {group}'}, but another "
+                        f"field already chose {chosen}; keep one quantization field")
+        return
+    out["quantize"] = recipe
+    if group is not None:
+        out["group_size"] = group
 
 
 def _refused(name: str, value) -> str:
@@ -146,6 +190,8 @@ def _backend_field(backend, key, value, options, problems):
         options["state"] = "coreml" if value else "io"
     elif backend == "coreml" and key == "preserve_sdpa":
         options["_preserve_sdpa"] = value  # checked once min_ios is known
+    elif backend == "coreml" and key == "quantize" and value in COREML_QUANTIZE:
+        options["_quantize"] = value  # a top-level recipe; moved out in _check_shapes
     elif backend == "xnnpack" and key == "extended_ops":
         if value is not True:
             problems.append(f"{name}: false is not supported; edgellm hands XNNPACK every op it "
@@ -171,6 +217,9 @@ def _check_shapes(chain, out, problems):
         problems.append("model.use_sdpa_with_kv_cache: false is not supported for xnnpack; "
                         "edgellm's XNNPACK programs use llama::custom_sdpa")
     coreml = out.get("coreml", {})
+    if "_quantize" in coreml:
+        value = coreml.pop("_quantize")
+        _recipe("backend.coreml.quantize", *COREML_QUANTIZE[value], out, problems)
     preserve = coreml.pop("_preserve_sdpa", None)
     ios = coreml.get("min_ios", 18)
     if preserve is True and isinstance(ios, int) and ios < 18:

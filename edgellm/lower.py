@@ -97,7 +97,10 @@ def mutable_buffers(ep: ExportedProgram) -> dict[str, dict]:
 
 
 def lower(programs: dict[str, ExportedProgram], partitioners: list, constant_methods: dict,
-          etrecord: bool) -> Lowered:
+          etrecord: bool, quant_fusion: bool = False) -> Lowered:
+    """quant_fusion: rewrite torchao's dequantize + embedding left outside the delegates into
+    ExecuTorch's quantized embedding kernels (`embedding_byte` / `embedding_4bit`), as
+    export_llm does; without it `to_executorch` finds no out variant for dequantize_affine."""
     from executorch.exir import (EdgeCompileConfig, ExecutorchBackendConfig,
                                  to_edge_transform_and_lower)
     from executorch.exir.passes import MemoryPlanningPass
@@ -126,6 +129,7 @@ def lower(programs: dict[str, ExportedProgram], partitioners: list, constant_met
     # several methods, each buffer gets one place that every method reads and writes (one
     # MemoryPlanningPass instance plans them all).
     program = edge.to_executorch(ExecutorchBackendConfig(
+        do_quant_fusion_and_const_prop=quant_fusion,
         sym_shape_eval_pass=ConstraintBasedSymShapeEvalPass(),
         memory_planning_pass=MemoryPlanningPass(share_mutable_buffers=len(programs) > 1)))
     return Lowered(program=program, delegation=figures, preserved=fates,

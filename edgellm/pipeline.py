@@ -95,11 +95,11 @@ def export(cfg: ExportConfig, quiet: bool = False) -> dict:
                                 TORCH_DTYPES[cfg.dtype])
             source.state_dict = {}  # the model holds the tensors now
         weights_per_token = weight_bytes(model)
-        if cfg.quantize:
+        if cfg.quantize or cfg.embedding_quantize:
             with stages.stage("quantize"):
                 from .quantize import quantize
 
-                weights_per_token -= quantize(model, cfg.quantize, cfg.group_size)
+                weights_per_token -= quantize(model, cfg)
         with stages.stage("export"):
             programs = export_methods(model, cfg.max_seq_len, plan.dynamic_shapes,
                                       cfg.prefill_chunk)
@@ -107,7 +107,8 @@ def export(cfg: ExportConfig, quiet: bool = False) -> dict:
             release_memory()  # the module graph holds cycles; free it before lowering
         with stages.stage("lower"):
             meta = metadata(cfg, source, plan.dynamic_shapes, opts.attention == "custom_ops")
-            lowered = lower(programs, plan.partitioners(), meta, cfg.etrecord)
+            lowered = lower(programs, plan.partitioners(), meta, cfg.etrecord,
+                            quant_fusion=cfg.embedding_quantize is not None)
             del programs
         with stages.stage("serialize"):
             files = write_outputs(tmp, cfg, source, lowered)

@@ -6,8 +6,15 @@
   the program was (dtype, quantization): the lowering changed no math. Programs this machine cannot
   run (Core ML, Vulkan) are checked one step earlier, as the exported graph (`torch.export`
   output) before any delegate, and the report says that the delegate itself did not run.
-- quantization (quantized programs): the program against transformers in fp32, within the
-  recipe's stated bounds: what the recipe costs in accuracy.
+- quantization (quantized programs): the program (or the exported graph, for programs that cannot
+  run here) against transformers in fp32, within the recipe's stated bounds: what the recipe
+  costs in accuracy. Measured along the shipped text when the export has a tokenizer (below),
+  else on the prompts.
+
+Beside the checks, when the export has a tokenizer, the perplexity of transformers in fp32 and of
+the program (or exported graph) on a short English text shipped in `edgellm/data`, fed one token
+at a time from position 0 (up to 128 tokens, clipped to the cache), and how often the two agree
+on the next token along that text (reported, not enforced).
 
 Every check feeds the same tokens to both sides (the reference's greedy continuation), over a
 prefill and `steps` decode calls per prompt, starting each prompt at position 0 (which resets the
@@ -95,8 +102,9 @@ def measure(level: str, actual: list, expected: list, limits: tuple, note: str =
 
 def verify(target, steps: int = 8) -> dict:
     """Verify an export folder (or its model.pte) against the checkpoint its config.yaml names.
-    Returns {"passed", "checks": [...]}; raises nothing for a failed check (see `enforce`).
-    One model is alive at a time: transformers, then the eager model, then the program."""
+    Returns {"passed", "checks": [...], "perplexity"}; raises nothing for a failed check (see
+    `enforce`). One model is alive at a time: transformers, then the eager model, then the
+    program."""
     from . import resolve_config
     from .backends import plan_for
     from .progress import release_memory
@@ -112,38 +120,85 @@ def verify(target, steps: int = 8) -> dict:
     source = load_source(cfg.model, params=cfg.params, model_class=cfg.model_class)
     steps = max(1, min(steps, cfg.context_len // 2))  # prompt and steps fit in the cache
     longest = min(cfg.max_seq_len, cfg.context_len - steps)
+    text = text_tokens(folder, cfg.context_len)
     reference = transformers_model(source)
     runs = [(p, *reference_run(reference, p, steps))
             for p in prompts(source.hf_config.vocab_size, longest)]
     cases, ref = [(p, t) for p, t, _ in runs], [logits for _, _, logits in runs]
+    if text:
+        with torch.no_grad():
+            ref_text = reference(torch.tensor([text])).logits[0, :-1].float()
     del reference, runs
 
     def collect(forward, prefill):  # eager custom ops log from C++ like the runtime's kernels
         with torch.no_grad(), native_logs():
             return [run_steps(forward, prefill, p, t) for p, t in cases]
 
-    checks = eager_checks(cfg, plan, source, collect, ref)
-    if all(b.runs_here for b in plan.backends):
+    checks, expected, limits, stand_in = eager_checks(cfg, plan, source, collect, ref)
+    if stand_in is None:  # the program runs here
         from .runtime import Program
 
         source.state_dict = {}  # the program holds its own weights; drop ours first
         release_memory()  # modules hold cycles (bound hooks): free the eager model now
         program = Program(folder / "model.pte")
-        expected, limits = checks.pop()
-        actual = collect(program.forward, program.prefill)
-        checks.append(measure("program", actual, expected, limits))
-        if cfg.quantize:  # what the recipe costs: the program against the float model
-            from .quantize import ACCURACY_BOUNDS
+        candidate, level, note = (program.forward, program.prefill), "program", ""
+        what = "program"
+    else:
+        names = ", ".join(b.name for b in plan.backends if not b.runs_here)
+        candidate, level, what = stand_in, "exported graph", "exported graph"
+        note = (f"the {names} delegate was not executed: this machine's ExecuTorch runtime "
+                "cannot run it; the exported graph before lowering was checked")
+    actual = collect(*candidate)
+    checks.append(measure(level, actual, expected, limits, note=note))
+    if text:
+        with torch.no_grad(), native_logs():
+            text_logits = run_steps(candidate[0], candidate[1], text[:1], text[1:])
+    if cfg.quantize or cfg.embedding_quantize:  # what the recipe costs, against the float model
+        from .quantize import accuracy_bounds
 
-            checks.append(measure("quantization", actual, ref, ACCURACY_BOUNDS[cfg.quantize],
-                                  note=f"{cfg.quantize} program against transformers in fp32"))
-    return {"passed": all(c.passed for c in checks), "steps": steps,
-            "prompts": [len(p) for p, _ in cases], "checks": [asdict(c) for c in checks]}
+        recipe = "+".join(filter(None, [cfg.quantize, cfg.embedding_quantize and
+                                        f"embeddings {cfg.embedding_quantize}"]))
+        # natural text where there is a tokenizer: random ids give a real model flat logits
+        # whose argmax a small error flips, which says little about the recipe
+        on, mine, theirs = ((f"along {len(text)} tokens of {TEXT.name}", [text_logits],
+                             [ref_text]) if text else ("on the prompts", actual, ref))
+        checks.append(measure("quantization", mine, theirs, accuracy_bounds(cfg),
+                              note=f"{recipe}: the {what} against transformers in fp32, {on}"))
+    result = {"passed": all(c.passed for c in checks), "steps": steps,
+              "prompts": [len(p) for p, _ in cases], "checks": [asdict(c) for c in checks]}
+    if text:
+        agree = (text_logits.argmax(-1) == ref_text.argmax(-1)).float().mean()
+        result["perplexity"] = {"text": TEXT.name, "tokens": len(text),
+                                "transformers_fp32": round(perplexity(ref_text, text), 4),
+                                what.replace(" ", "_"): round(perplexity(text_logits, text), 4),
+                                "top1_vs_fp32": round(float(agree), 4)}
+    return result
 
 
-def eager_checks(cfg, plan, source, collect, ref) -> list:
-    """The rewrite check; then either the exported-graph check (programs that cannot run here)
-    or, last in the list, (expected logits, limits) for the program check."""
+TEXT = Path(__file__).parent / "data" / "perplexity.txt"
+
+
+def text_tokens(folder: Path, limit: int) -> list[int] | None:
+    """The shipped English text through the export's tokenizer, at most `limit` tokens (None
+    without a tokenizer.json: perplexity is then not measured)."""
+    if not (folder / "tokenizer.json").is_file():
+        return None
+    from .runtime import load_tokenizer
+
+    ids = load_tokenizer(folder).encode(TEXT.read_text()).ids[:min(limit, 128)]
+    return ids if len(ids) > 1 else None
+
+
+def perplexity(logits: torch.Tensor, ids: list[int]) -> float:
+    """exp of the mean negative log-likelihood of ids[1:] given logits row i for ids[i + 1]."""
+    nll = torch.nn.functional.cross_entropy(logits.float(), torch.tensor(ids[1:]))
+    return float(nll.exp())
+
+
+def eager_checks(cfg, plan, source, collect, ref) -> tuple:
+    """The rewrite check, then what the program check compares with: (checks, expected logits,
+    limits, stand_in) where stand_in is (forward, prefill) of the exported graph for programs
+    this machine cannot run, else None."""
     from .architectures import build_model
     from .capture import export_forward
     from .pipeline import TORCH_DTYPES
@@ -152,24 +207,21 @@ def eager_checks(cfg, plan, source, collect, ref) -> list:
     eager = build_model(source.hf_config, dict(source.state_dict), opts, torch.float32)
     actual = collect(eager, eager_prefill(eager))
     checks = [measure("rewrite", actual, ref, THRESHOLDS["fp32"])]
-    if cfg.dtype != "fp32" or cfg.quantize:  # the program's own numerics: build it that way
+    quantized = bool(cfg.quantize or cfg.embedding_quantize)
+    if cfg.dtype != "fp32" or quantized:  # the program's own numerics: build it that way
         eager = build_model(source.hf_config, dict(source.state_dict), opts,
                             TORCH_DTYPES[cfg.dtype])
-        if cfg.quantize:
+        if quantized:
             from .quantize import quantize
 
-            quantize(eager, cfg.quantize, cfg.group_size)
+            quantize(eager, cfg)
         actual = collect(eager, eager_prefill(eager))
-    limits = THRESHOLDS["quantized" if cfg.quantize else cfg.dtype]
+    limits = THRESHOLDS["quantized" if quantized else cfg.dtype]
     if all(b.runs_here for b in plan.backends):
-        return checks + [(actual, limits)]
+        return checks, actual, limits, None
     graph = export_forward(eager, cfg.max_seq_len, plan.dynamic_shapes).module()
     prefill = eager_prefill(graph) if plan.dynamic_shapes else one_by_one(graph)
-    names = ", ".join(b.name for b in plan.backends if not b.runs_here)
-    return checks + [measure("exported graph", collect(graph, prefill), actual, limits,
-                             note=f"the {names} delegate was not executed: this machine's "
-                                  "ExecuTorch runtime cannot run it; the exported graph before "
-                                  "lowering was checked")]
+    return checks, actual, limits, (graph, prefill)
 
 
 def one_by_one(forward):
@@ -208,6 +260,12 @@ def summary(result: dict) -> str:
                      f"{div}")
         if c["note"]:
             lines.append(f"{'':>16}{c['note']}")
+    if "perplexity" in result:
+        ppl = result["perplexity"]
+        scores = ", ".join(f"{k.replace('_', ' ')} {v:.3f}" for k, v in ppl.items()
+                           if k not in ("text", "tokens", "top1_vs_fp32"))
+        lines.append(f"{'perplexity':>14}: {scores} ({ppl['tokens']} tokens of {ppl['text']}; "
+                     f"top-1 agreement with fp32 along the text {ppl['top1_vs_fp32']:.3f})")
     return "\n".join(lines)
 
 

@@ -111,20 +111,46 @@ BASE = {"backend": {"coreml": {"enabled": True, "ios": 18}},
      r"preserve_sdpa: true needs ios 18 or later"),
     ({"backend": {"coreml": {"enabled": True, "ios": 18, "preserve_sdpa": False}}},
      r"preserve_sdpa: false is not supported with ios 18.*Set ios: 17"),
-    ({"backend": {"coreml": {"enabled": True, "quantize": "c4w"}}},
-     r"backend\.coreml\.quantize: 'c4w' is not supported"),
+    ({"backend": {"coreml": {"enabled": True, "quantize": "c2w"}}},
+     r"backend\.coreml\.quantize: 'c2w' is not supported"),
+    ({"quantization": {"qmode": "8da4w"}, "backend": {"coreml": {"enabled": True,
+                                                                 "quantize": "b4w"}}},
+     r"backend\.coreml\.quantize: asks for 4w with group_size 32, but another field already "
+     r"chose 8da4w"),
+    ({"quantization": {"qmode": "torchao:8da4w"}},
+     r"qmode: 'torchao:8da4w' needs torchao's own CPU kernel library"),
+    ({"quantization": {"embedding_quantize": "torchao:4,32"}},
+     r"embedding_quantize: 'torchao:4,32' needs torchao's own CPU kernel library"),
+    ({"quantization": {"pt2e_quantize": "coreml_8a_c8w"}},
+     r"pt2e_quantize: 'coreml_8a_c8w' is not supported; edgellm quantizes weights through "
+     r"torchao.*static activation quantization needs calibration data"),
     ({"backend": {"qnn": {"enabled": True}}}, r"backend\.qnn: edgellm has no qnn backend"),
     ({"backend": {"coreml": True}}, r"backend\.coreml: expected a mapping of fields"),
     ({"base": {"metadata": "{not json"}}, r"base\.metadata: not valid JSON"),
     ({"base": {"metadata": '{"get_max_seq_len": 9}'}},
      r"base\.metadata: key 'get_max_seq_len' is not supported"),
-    ({"quantization": {"pt2e_quantize": "xnnpack_dynamic"}},
-     r"quantization\.pt2e_quantize: 'xnnpack_dynamic' is not supported"),
 ])
 def test_fields_edgellm_cannot_honour_are_refused_by_name(change, match):
     data = {**BASE, **change}
     with pytest.raises(edgellm.ConfigError, match=match):
         translate(data)
+
+
+@pytest.mark.parametrize("data, expected", [
+    ({"quantization": {"pt2e_quantize": "xnnpack_dynamic"}},
+     {"quantize": "8da8w", "group_size": 0}),
+    ({"quantization": {"pt2e_quantize": "xnnpack_dynamic_qc4"}},
+     {"quantize": "8da4w", "group_size": 0}),
+    ({"quantization": {"qmode": "8da4w", "group_size": 32, "embedding_quantize": "4,32"}},
+     {"quantize": "8da4w", "group_size": 32, "embedding_quantize": "4,32"}),
+    ({"quantization": {"qmode": "int8"}}, {"quantize": "8w"}),
+    ({"backend": {"coreml": {"enabled": True, "quantize": "b4w"}}},
+     {"quantize": "4w", "group_size": 32, "backends": ["coreml"], "coreml": {}}),
+    ({"backend": {"coreml": {"enabled": True, "quantize": "c4w"}}},
+     {"quantize": "4w", "group_size": 0, "backends": ["coreml"], "coreml": {}}),
+])
+def test_quantization_fields_map_onto_recipes(data, expected):
+    assert translate(data) == expected
 
 
 def test_every_problem_is_reported_at_once():

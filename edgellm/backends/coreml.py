@@ -43,7 +43,9 @@ class CoreMLOptions:
 
 
 def config_problems(cfg, options: CoreMLOptions) -> list[str]:
-    out = []
+    from ..quantize import coreml_problems
+
+    out = coreml_problems(cfg, options.min_ios)
     if cfg.prefill_chunk and options.state == "coreml":
         out.append("prefill_chunk with coreml.state: coreml: Core ML states live inside each "
                    "method's delegate, so prefill and forward would not share the cache. Use "
