@@ -17,7 +17,8 @@ at a time from position 0 (up to 128 tokens, clipped to the cache), and how ofte
 on the next token along that text (reported, not enforced).
 
 Every check feeds the same tokens to both sides (the reference's greedy continuation), over a
-prefill and `steps` decode calls per prompt, starting each prompt at position 0 (which resets the
+prefill and `steps` decode calls per prompt (pieces of the shipped text when the export has a
+tokenizer, else pseudo-random ids), starting each prompt at position 0 (which resets the
 state), and reports max absolute and relative error, SQNR, top-1 agreement and the first step
 whose greedy token differs. Thresholds depend on dtype and quantization.
 """
@@ -51,10 +52,15 @@ class Check:
     note: str = ""
 
 
-def prompts(vocab: int, longest: int, seed: int = 0) -> list[list[int]]:
-    """Fixed pseudo-random token ids (no tokenizer needed), at most `longest` tokens each."""
-    g = torch.Generator().manual_seed(seed)
+def prompts(vocab: int, longest: int, text: list[int] | None = None,
+            seed: int = 0) -> list[list[int]]:
+    """Fixed prompts of PROMPT_LENGTHS tokens (at most `longest`): pieces of the shipped text when
+    there is a tokenizer (a real model's logits on random ids are flat, so a tiny error flips
+    their argmax), else pseudo-random token ids."""
     lengths = sorted({max(1, min(n, longest)) for n in PROMPT_LENGTHS})
+    if text and len(text) >= 2 * max(lengths):
+        return [text[i * max(lengths):i * max(lengths) + n] for i, n in enumerate(lengths)]
+    g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
@@ -123,7 +129,7 @@ def verify(target, steps: int = 8) -> dict:
     text = text_tokens(folder, cfg.context_len)
     reference = transformers_model(source)
     runs = [(p, *reference_run(reference, p, steps))
-            for p in prompts(source.hf_config.vocab_size, longest)]
+            for p in prompts(source.hf_config.vocab_size, longest, text)]
     cases, ref = [(p, t) for p, t, _ in runs], [logits for _, _, logits in runs]
     if text:
         with torch.no_grad():
