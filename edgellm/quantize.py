@@ -38,15 +38,11 @@ RECIPES = {
     "4w": Recipe(4, False, 32, ("coreml",), (10.0, 0.6)),
     "8w": Recipe(8, False, 0, ("coreml",), (20.0, 0.8)),
 }
-# why a backend has no kernels for a recipe; the generic reason otherwise
-NO_KERNELS = {
-    ("4w", "xnnpack"): "ExecuTorch 1.5.1's XNNPACK delegate takes torchao weight-only linears "
-                       "but multiplies by the unscaled integers (wrong logits, no error); use "
-                       "8da4w on xnnpack",
-    ("8w", "xnnpack"): "ExecuTorch 1.5.1's XNNPACK delegate takes torchao weight-only linears "
-                       "but multiplies by the unscaled integers (wrong logits, no error); use "
-                       "8da8w on xnnpack",
-}
+# weight-only linears reaching XNNPACK anywhere in a chain come out wrong, hence refused
+WRONG_ON_XNNPACK = ("ExecuTorch 1.5.1's XNNPACK delegate takes torchao weight-only linears but "
+                    "multiplies by the unscaled integers (wrong logits, no error)")
+NO_KERNELS = {("4w", "xnnpack"): f"{WRONG_ON_XNNPACK}; use 8da4w on xnnpack",
+              ("8w", "xnnpack"): f"{WRONG_ON_XNNPACK}; use 8da8w on xnnpack"}
 EMBEDDING_BACKENDS = ("xnnpack", "portable", "coreml")
 EMBEDDING_DEFAULT_GROUP = {8: 0, 4: 32}
 # bounds of an embedding recipe alone, and the margin a combined recipe loses
@@ -78,9 +74,11 @@ def problems(cfg) -> list[str]:
     recipe = RECIPES.get(cfg.quantize) if cfg.quantize else None
     if cfg.quantize is not None and recipe is None:
         out.append(f"quantize: '{cfg.quantize}' is not one of {', '.join(RECIPES)}")
-    elif recipe and first not in recipe.backends:
-        why = NO_KERNELS.get((cfg.quantize, first), f"{first} has no kernels for it")
-        out.append(f"quantize: {cfg.quantize} on {first}: {why}. Recipes per backend: "
+    elif recipe and (first not in recipe.backends or not recipe.dynamic and
+                     "xnnpack" in cfg.backends):
+        where = first if first not in recipe.backends else "xnnpack (in the chain)"
+        why = NO_KERNELS.get((cfg.quantize, where.split()[0]), f"{where} has no kernels for it")
+        out.append(f"quantize: {cfg.quantize} on {where}: {why}. Recipes per backend: "
                    + "; ".join(f"{b}: {', '.join(r for r in RECIPES if b in RECIPES[r].backends)}"
                                for b in ("xnnpack", "coreml")))
     if cfg.group_size is not None and cfg.quantize is None:

@@ -74,6 +74,8 @@ def test_coreml_recipe_lowers_with_quantized_weights(tiny_models, tmp_path, reci
     (dict(backends="xnnpack", quantize="4w"), [],
      r"quantize: 4w on xnnpack: ExecuTorch 1\.5\.1's XNNPACK delegate takes torchao weight-only "
      r"linears but multiplies by the unscaled integers.*use 8da4w on xnnpack"),
+    (dict(backends="coreml,xnnpack", quantize="8w"), [],
+     r"quantize: 8w on xnnpack \(in the chain\): ExecuTorch 1\.5\.1's XNNPACK delegate"),
     (dict(backends="coreml", quantize="8da4w"), [],
      r"quantize: 8da4w on coreml: coreml has no kernels for it\. Recipes per backend: "
      r"xnnpack: 8da4w, 8da8w; coreml: 4w, 8w"),
