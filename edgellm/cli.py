@@ -194,6 +194,24 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("edgellm: interrupted; nothing was written to the output folder", file=sys.stderr)
         return 130
+    except Exception as e:  # a library failed in a way edgellm did not foresee
+        if a.debug:
+            raise
+        where = _origin(e)
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        print(f"edgellm: internal error{where}: {type(e).__name__}: {first}. Nothing was written "
+              "to the output folder. Rerun with --debug for the traceback and report it with the "
+              "command line", file=sys.stderr)
+        return 3
+
+
+def _origin(e: BaseException) -> str:
+    """' in <package>' for the package whose frame raised e (torch, executorch, ...)."""
+    tb = e.__traceback__
+    while tb and tb.tb_next:
+        tb = tb.tb_next
+    name = tb.tb_frame.f_globals.get("__name__", "") if tb else ""
+    return f" in {name.split('.')[0]}" if name else ""
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import glob
 import os
 import shutil
 import tempfile
@@ -39,8 +40,11 @@ def check_destination(dest: Path, force: bool) -> None:
 
 @contextlib.contextmanager
 def staging(dest: Path, force: bool):
-    """Yield a temporary folder beside `dest`; move it into place when the block succeeds."""
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-", dir=dest.parent))
+    """Yield a temporary folder beside `dest`; move it into place when the block succeeds.
+    Its name carries this process's id, so the folder of a run that was killed (SIGKILL leaves
+    no chance to clean up) is recognised and removed by the next run."""
+    remove_stale_partials(dest)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-{os.getpid()}-", dir=dest.parent))
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the result is an ordinary folder
@@ -55,6 +59,24 @@ def staging(dest: Path, force: bool):
             os.replace(tmp, dest)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def remove_stale_partials(dest: Path) -> None:
+    """Remove `.NAME.partial-PID-*` folders beside dest whose process no longer exists."""
+    for folder in dest.parent.glob(f".{glob.escape(dest.name)}.partial-*"):
+        pid = folder.name.removeprefix(f".{dest.name}.partial-").split("-")[0]
+        if pid.isdigit() and not process_alive(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, owned by someone else
+        return True
+    return True
 
 
 def metadata(cfg: ExportConfig, source, dynamic: bool, custom_sdpa: bool) -> dict:

@@ -58,3 +58,24 @@ def test_generate_refuses_a_prompt_longer_than_max_seq_len(tiny_models, tmp_path
                  "the quick brown fox jumps over the lazy dog"])
     assert code == 2
     assert "this program takes at most max_seq_len=4" in capsys.readouterr().err
+
+
+def test_a_library_failure_is_one_line_exit_3_and_leaves_nothing(tiny_models, tmp_path, capsys,
+                                                                  monkeypatch):
+    import torch
+
+    import edgellm.capture
+
+    def failing_export(*args, **kwargs):
+        return torch.export.export(None, ())  # torch raises from inside its own code
+
+    monkeypatch.setattr(edgellm.capture, "export_methods", failing_export)
+    args = ["export", str(tiny_models["llama"][0]), "-o", str(tmp_path / "o"), "--quiet",
+            "--max-seq-len", "16"]
+    assert main(args) == 3
+    err = capsys.readouterr().err
+    assert err.startswith("edgellm: internal error in torch: ") and err.count("\n") == 1
+    assert "Rerun with --debug for the traceback" in err and "Traceback" not in err
+    assert not (tmp_path / "o").exists() and list(tmp_path.iterdir()) == []
+    with pytest.raises(Exception):
+        main(["--debug", *args])

@@ -1,0 +1,62 @@
+"""An export stopped half-way leaves nothing at its destination: Ctrl-C removes its temporary
+folder on the way out; a killed run (SIGKILL, no chance to clean up) leaves one that the next export
+to the same destination recognises by its process id and removes, and that export succeeds."""
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+import edgellm
+
+
+def start_export(folder, out):
+    """The CLI in a child process, stopped once lowering has begun (the export stage line)."""
+    child = subprocess.Popen(
+        [sys.executable, "-m", "edgellm.cli", "export", str(folder), "-o", str(out),
+         "--backend", "xnnpack", "--max-seq-len", "16", "--no-verify"],
+        stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    for line in child.stderr:
+        if line.startswith("[edgellm] export"):
+            return child
+    child.wait()
+    pytest.fail(f"export ended (exit {child.returncode}) before lowering began")
+
+
+def leftovers(out):
+    return [p.name for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.")]
+
+
+def test_ctrl_c_leaves_nothing(tiny_models, tmp_path):
+    out = tmp_path / "o"
+    child = start_export(tiny_models["llama"][0], out)
+    child.send_signal(signal.SIGINT)
+    rest = child.stderr.read()
+    assert child.wait(timeout=120) == 130
+    assert "edgellm: interrupted; nothing was written to the output folder" in rest
+    assert "Traceback" not in rest
+    assert not out.exists() and leftovers(out) == []
+
+
+def test_killed_export_is_cleaned_up_by_the_next_one(tiny_models, tmp_path):
+    out = tmp_path / "o"
+    child = start_export(tiny_models["llama"][0], out)
+    os.kill(child.pid, signal.SIGKILL)
+    child.wait(timeout=60)
+    assert not out.exists()
+    [stale] = leftovers(out)
+    assert stale.startswith(f".o.partial-{child.pid}-")
+    edgellm.export(tiny_models["llama"][0], output=out, backends="xnnpack", max_seq_len=16,
+                   verify=False, quiet=True)
+    assert (out / "model.pte").is_file() and leftovers(out) == []
+
+
+def test_a_running_exports_folder_is_left_alone(tiny_models, tmp_path):
+    out = tmp_path / "o"
+    alive = tmp_path / f".o.partial-{os.getpid()}-abc"  # this test process is alive
+    alive.mkdir()
+    edgellm.export(tiny_models["llama"][0], output=out, backends="xnnpack", max_seq_len=16,
+                   verify=False, quiet=True)
+    assert alive.is_dir()
