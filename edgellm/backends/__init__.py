@@ -81,6 +81,11 @@ def check_chain(names) -> list[str]:
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         out.append(f"backends: {', '.join(dupes)} listed more than once in {','.join(names)}")
+    if "xnnpack" in names[:-1]:
+        after = names[names.index("xnnpack") + 1]
+        out.append(f"backends: {after} after xnnpack in {','.join(names)} would only see what "
+                   "XNNPACK leaves, ExecuTorch's llama:: custom ops it cannot run; XNNPACK is the "
+                   f"CPU fallback and goes last (e.g. {after},xnnpack)")
     undelegated = [n for n in names if not BACKENDS[n].requires]
     if undelegated and len(names) > 1:
         out.append(f"backends: '{undelegated[0]}' means no delegate and cannot be chained with "

@@ -97,7 +97,13 @@ def load_hf_folder(folder: Path) -> Source:
 
 
 def _folder_tokenizer(folder: Path):
-    """Copies the folder's tokenizer files beside the program, if it has a tokenizer.json."""
+    """Copies the folder's tokenizer files beside the program, if it has a tokenizer.json (read
+    now, so an unreadable one is refused before any work)."""
+    if (folder / "tokenizer.json").is_file():
+        from ..runtime import load_tokenizer
+
+        load_tokenizer(folder / "tokenizer.json")
+
     def write(out: Path) -> bool:
         if not (folder / "tokenizer.json").is_file():
             return False
@@ -114,6 +120,9 @@ def tokenizer_writer(path: Path):
     if path.is_dir() and (path / "tokenizer.json").is_file():
         return _folder_tokenizer(path)
     if path.is_file() and path.suffix == ".json":
+        from ..runtime import load_tokenizer
+
+        load_tokenizer(path)
         return lambda out: bool(shutil.copyfile(path, out / "tokenizer.json"))
     raise InputError(f"Tokenizer {path} is neither a tokenizer.json nor a folder holding one. "
                      "Give the tokenizer.json of a Hugging Face checkpoint.")

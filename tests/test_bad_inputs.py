@@ -1,0 +1,107 @@
+"""A corpus of bad inputs through the command line: each ends with one line naming the problem,
+exit code 2, no traceback, and nothing at the destination (no output folder, no partial one)."""
+
+import json
+import shutil
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from edgellm.cli import main
+
+
+def copy_of(folder, tmp_path):
+    out = tmp_path / "model"
+    shutil.copytree(folder, out)
+    return out
+
+
+def short_layer_types(folder, tmp_path):
+    out = copy_of(folder, tmp_path)
+    config = json.loads((out / "config.json").read_text())
+    config["layer_types"] = config["layer_types"][:-1]
+    (out / "config.json").write_text(json.dumps(config))
+    return [str(out)]
+
+
+def misshaped_tensor(folder, tmp_path):
+    out = copy_of(folder, tmp_path)
+    [file] = out.glob("*.safetensors")
+    state = load_file(file)
+    name = next(k for k in state if k.endswith("q_proj.weight"))
+    state[name] = state[name][:, :-1].contiguous()
+    save_file(state, file, metadata={"format": "pt"})
+    return [str(out)]
+
+
+def corrupt_gguf(folder, tmp_path):
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"GGUF" + bytes(range(256)) * 4)
+    return [str(path)]
+
+
+def unreadable_tokenizer(folder, tmp_path):
+    path = tmp_path / "tokenizer.json"
+    path.write_text("{not json")
+    return [str(folder), f"tokenizer={path}"]
+
+
+def broken_tokenizer_in_folder(folder, tmp_path):
+    out = copy_of(folder, tmp_path)
+    (out / "tokenizer.json").write_text('{"version": "1.0"}')
+    return [str(out)]
+
+
+def missing_tokenizer(folder, tmp_path):
+    return [str(folder), f"tokenizer={tmp_path / 'none.json'}"]
+
+
+def bad_yaml(folder, tmp_path):
+    (tmp_path / "c.yaml").write_text("backends: [xnnpack\n")
+    return [str(folder), "--config", str(tmp_path / "c.yaml")]
+
+
+def parent_is_a_file(folder, tmp_path):
+    (tmp_path / "file").write_text("")
+    return [str(folder), "-o", str(tmp_path / "file" / "out")]
+
+
+CASES = [
+    ("lfm2", short_layer_types, r"config\.json contradicts itself: `num_hidden_layers` \(4\) must "
+                                r"be equal to the number of `layer_types` \(3\)\. Fix config\.json"),
+    ("llama", misshaped_tensor, r"mis-shaped tensors: model\.layers\.0\.self_attn\.q_proj\.weight "
+                                r"\(64, 63\) \(expected \(64, 64\)\)"),
+    ("llama", corrupt_gguf, r"model\.gguf is not a readable GGUF file \(.*\)\. It may be truncated"),
+    ("llama", unreadable_tokenizer, r"tokenizer\.json is not a readable tokenizer\.json"),
+    ("llama", broken_tokenizer_in_folder, r"model/tokenizer\.json is not a readable "
+                                          r"tokenizer\.json"),
+    ("llama", missing_tokenizer, r"Tokenizer .*none\.json is neither a tokenizer\.json nor a "
+                                 r"folder holding one"),
+    ("llama", bad_yaml, r"c\.yaml is not valid YAML at line 2, column 1"),
+    ("llama", parent_is_a_file, r"Cannot write .*file/out: its parent folder .*file does not "
+                                r"exist"),
+    ("llama", lambda f, t: [str(f), "--backend", "xnnpack,coreml"],
+     r"backends: coreml after xnnpack in xnnpack,coreml would only see what XNNPACK leaves.*"
+     r"e\.g\. coreml,xnnpack"),
+    ("llama", lambda f, t: [str(f), "--backend", "portable,xnnpack"],
+     r"'portable' means no delegate and cannot be chained"),
+    ("llama", lambda f, t: [str(f), "--quantize", "8da4w", "--backend", "vulkan"],
+     r"quantize: 8da4w on vulkan: vulkan has no kernels for it"),
+]
+
+
+@pytest.mark.parametrize("arch, make, match", CASES,
+                         ids=[c[1].__name__ if c[1].__name__ != "<lambda>" else f"options{i}"
+                              for i, c in enumerate(CASES)])
+def test_bad_input_is_refused_in_one_line(tiny_models, tmp_path, capsys, arch, make, match):
+    import re
+
+    args = make(tiny_models[arch][0], tmp_path)
+    if "-o" not in args:
+        args += ["-o", str(tmp_path / "out")]
+    assert main(["export", *args, "--quiet", "--max-seq-len", "16"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("edgellm: ") and err.count("\n") == 1, err
+    assert re.search(match, err), err
+    assert not (tmp_path / "out").exists()
+    assert not [p for p in tmp_path.rglob("*") if ".partial-" in p.name]
