@@ -147,9 +147,7 @@ def test_prefill_method_shares_state_with_forward(tiny_models, prompt_ids, tmp_p
 @pytest.mark.parametrize("overrides, match", [
     (["backends=coreml", "prefill_chunk=8", "coreml.state=coreml"],
      r"Core ML states live inside each method's delegate"),
-    (["backends=coreml", "quantize=8da4w"], r"runs on xnnpack kernels, not on coreml"),
     (["prefill_chunk=200", "max_seq_len=16"], r"prefill_chunk: 200 is out of range 0\.\.16"),
-    (["group_size=32"], r"group_size: 32 is set but quantize is not"),
 ])
 def test_impossible_combinations_are_refused_before_any_work(tiny_models, tmp_path, overrides,
                                                              match):
