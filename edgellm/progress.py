@@ -20,6 +20,13 @@ def rss_mb() -> float:
         return round(int(f.read().split()[1]) * resource.getpagesize() / 2**20, 1)
 
 
+def _is_tty(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
 def release_memory() -> None:
     """Collect garbage and hand freed heap pages back to the OS (glibc keeps them otherwise, so
     the next stage would stack its peak on the previous stage's)."""
@@ -34,21 +41,49 @@ def release_memory() -> None:
 
 
 class Stages:
-    def __init__(self, quiet: bool = False, stream=None):
-        self.quiet, self.stream = quiet, stream or sys.stderr
+    """Times named stages. Each prints one line when it ends; on a terminal, a live line
+    (elapsed time and resident memory, redrawn every `tick` seconds) shows while it runs."""
+
+    def __init__(self, quiet: bool = False, stream=None, tick: float = 0.5):
+        self.quiet, self.stream, self.tick = quiet, stream or sys.stderr, tick
         self.records: list[dict] = []
         self.started = time.perf_counter()
 
     @contextlib.contextmanager
     def stage(self, name: str):
         t0 = time.perf_counter()
-        yield
+        live = self._live(name, t0) if not self.quiet and _is_tty(self.stream) else None
+        try:
+            yield
+        finally:
+            if live:
+                live.set()
+                live.thread.join()
+                self.stream.write("\r\033[K")  # clear the live line
         rec = {"name": name, "wall_s": round(time.perf_counter() - t0, 3),
                "peak_rss_mb": peak_rss_mb()}
         self.records.append(rec)
         if not self.quiet:
             print(f"[edgellm] {name:<10} {rec['wall_s']:8.1f} s   peak RSS {rec['peak_rss_mb']:8.0f} MB",
                   file=self.stream, flush=True)
+
+    def _live(self, name: str, t0: float):
+        import threading
+
+        done = threading.Event()
+
+        def draw():
+            spin = "|/-\\"
+            i = 0
+            while not done.wait(self.tick):
+                self.stream.write(f"\r[edgellm] {name:<10} {time.perf_counter() - t0:8.1f} s   "
+                                  f"RSS {rss_mb():8.0f} MB {spin[i % 4]}")
+                self.stream.flush()
+                i += 1
+
+        done.thread = threading.Thread(target=draw, daemon=True)
+        done.thread.start()
+        return done
 
     @property
     def wall_s(self) -> float:

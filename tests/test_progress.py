@@ -1,0 +1,51 @@
+"""Progress of long work: one line per stage with its wall time and the process's peak RSS, the same
+figures in report.json, a live line while a stage runs on a terminal, nothing with --quiet."""
+
+import io
+import json
+import re
+import time
+
+from edgellm.cli import main
+from edgellm.progress import Stages
+
+LINE = re.compile(r"^\[edgellm\] (\w+) +([\d.]+) s   peak RSS +(\d+) MB$")
+
+
+def test_stage_lines_match_the_report(tiny_models, tmp_path, capsys):
+    out = tmp_path / "o"
+    assert main(["export", str(tiny_models["llama"][0]), "-o", str(out), "--max-seq-len", "16",
+                 "--quantize", "8da4w", "--group-size", "32"]) == 0
+    lines = [LINE.match(x) for x in capsys.readouterr().err.splitlines() if x.startswith("[")]
+    assert all(lines)
+    report = json.loads((out / "report.json").read_text())
+    names = ["load", "build", "quantize", "export", "lower", "serialize", "verify"]
+    assert [m[1] for m in lines] == [s["name"] for s in report["stages"]] == names
+    for m, s in zip(lines, report["stages"]):
+        assert abs(float(m[2]) - s["wall_s"]) <= 0.05 and abs(int(m[3]) - s["peak_rss_mb"]) <= 1
+    peaks = [s["peak_rss_mb"] for s in report["stages"]]
+    assert peaks == sorted(peaks) and report["peak_rss_mb"] >= peaks[-1] > 100
+    assert sum(s["wall_s"] for s in report["stages"]) <= report["wall_s"]
+
+
+def test_quiet_prints_nothing_and_json_one_object(tiny_models, tmp_path, capsys):
+    assert main(["export", str(tiny_models["llama"][0]), "-o", str(tmp_path / "o"),
+                 "--max-seq-len", "16", "--json", "--no-verify"]) == 0
+    captured = capsys.readouterr()
+    assert "[edgellm]" not in captured.err
+    assert json.loads(captured.out)["stages"][0]["name"] == "load"
+
+
+class Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_live_line_on_a_terminal_only():
+    tty, pipe = Terminal(), io.StringIO()
+    for stream in (tty, pipe):
+        with Stages(stream=stream, tick=0.05).stage("lower"):
+            time.sleep(0.3)
+    live = re.findall(r"\r\[edgellm\] lower +[\d.]+ s   RSS +\d+ MB [|/\-\\]", tty.getvalue())
+    assert len(live) >= 3 and tty.getvalue().endswith(" MB\n")
+    assert "\r" not in pipe.getvalue() and LINE.match(pipe.getvalue().strip())
