@@ -148,10 +148,9 @@ def verify(target, steps: int = 8) -> dict:
         release_memory()  # modules hold cycles (bound hooks): free the eager model now
         program = Program(folder / "model.pte")
         candidate, level, note = (program.forward, program.prefill), "program", ""
-        what = "program"
     else:
         names = ", ".join(b.name for b in plan.backends if not b.runs_here)
-        candidate, level, what = stand_in, "exported graph", "exported graph"
+        candidate, level = stand_in, "exported graph"
         note = (f"the {names} delegate was not executed: this machine's ExecuTorch runtime "
                 "cannot run it; the exported graph before lowering was checked")
     actual = collect(*candidate)
@@ -160,28 +159,34 @@ def verify(target, steps: int = 8) -> dict:
         with torch.no_grad(), native_logs():
             text_logits = run_steps(candidate[0], candidate[1], text[:1], text[1:])
     if cfg.quantize or cfg.embedding_quantize:  # what the recipe costs, against the float model
-        from .quantize import accuracy_bounds
-
-        recipe = "+".join(filter(None, [cfg.quantize, cfg.embedding_quantize and
-                                        f"embeddings {cfg.embedding_quantize}"]))
         # natural text where there is a tokenizer: random ids give a real model flat logits
         # whose argmax a small error flips, which says little about the recipe
-        on, mine, theirs = ((f"along {len(text)} tokens of {TEXT.name}", [text_logits],
-                             [ref_text]) if text else ("on the prompts", actual, ref))
-        checks.append(measure("quantization", mine, theirs, accuracy_bounds(cfg),
-                              note=f"{recipe}: the {what} against transformers in fp32, {on}"))
+        on = ((f"along {len(text)} tokens of {TEXT.name}", [text_logits], [ref_text]) if text
+              else ("on the prompts", actual, ref))
+        checks.append(recipe_cost(cfg, level, *on))
     result = {"passed": all(c.passed for c in checks), "steps": steps,
               "prompts": [len(p) for p, _ in cases], "checks": [asdict(c) for c in checks]}
     if text:
         agree = (text_logits.argmax(-1) == ref_text.argmax(-1)).float().mean()
         result["perplexity"] = {"text": TEXT.name, "tokens": len(text),
                                 "transformers_fp32": round(perplexity(ref_text, text), 4),
-                                what.replace(" ", "_"): round(perplexity(text_logits, text), 4),
+                                level.replace(" ", "_"): round(perplexity(text_logits, text), 4),
                                 "top1_vs_fp32": round(float(agree), 4)}
     return result
 
 
 TEXT = Path(__file__).parent / "data" / "perplexity.txt"
+
+
+def recipe_cost(cfg, level: str, on: str, actual: list, reference: list) -> Check:
+    """The quantization check: `level` (program or exported graph) against transformers in fp32,
+    within the recipe's bounds."""
+    from .quantize import accuracy_bounds
+
+    recipe = "+".join(filter(None, [cfg.quantize, cfg.embedding_quantize and
+                                    f"embeddings {cfg.embedding_quantize}"]))
+    return measure("quantization", actual, reference, accuracy_bounds(cfg),
+                   note=f"{recipe}: the {level} against transformers in fp32, {on}")
 
 
 def text_tokens(folder: Path, limit: int) -> list[int] | None:
