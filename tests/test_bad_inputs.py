@@ -105,3 +105,19 @@ def test_bad_input_is_refused_in_one_line(tiny_models, tmp_path, capsys, arch, m
     assert re.search(match, err), err
     assert not (tmp_path / "out").exists()
     assert not [p for p in tmp_path.rglob("*") if ".partial-" in p.name]
+
+
+def test_a_backend_whose_sdk_is_missing_is_named(tiny_models, tmp_path, capsys, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "coremltools" else real(name, *a))
+    out = tmp_path / "out"
+    assert main(["export", str(tiny_models["llama"][0]), "-o", str(out), "--backend", "coreml",
+                 "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("edgellm: Backend 'coreml' needs coremltools, which is not installed. Install "
+                   "it (pip install coremltools) or choose another backend; `edgellm models` "
+                   "lists them.\n")
+    assert not out.exists() and list(tmp_path.iterdir()) == []
