@@ -11,6 +11,10 @@ the quantization check of verify (SQNR and top-1 of the program's logits against
 fp32 over the fixed prompts) and, along the shipped text, perplexity and top-1 agreement with
 fp32. `--llamacpp` adds llama.cpp on the same GGUF (bench/others.py, /tmp/llamacpp-venv) in the
 same run. The last line is one JSON list of the rows.
+
+`--speed-only ROUNDS` exports nothing: it measures the recipes already in OUTDIR (and llama.cpp
+with `--llamacpp`) one after another, ROUNDS times, on what should be a quiet machine, and reports
+the median of the rounds per program.
 """
 
 import argparse
@@ -92,6 +96,33 @@ def export_row(model, out: Path, name: str, max_seq_len: int) -> dict:
     return row
 
 
+def bench_row(folder: Path) -> dict:
+    out = subprocess.run([sys.executable, "-m", "edgellm.cli", "bench", str(folder),
+                          "--prompt-lengths", "64", "--steps", "32"], capture_output=True, text=True)
+    b = json.loads(out.stdout.strip().splitlines()[-1])
+    return {"prefill_tok_s": b["prefill_tok_s"]["64"], "decode_tok_s": b["decode_tok_s"],
+            "floor_fraction": b["floor_fraction"]}
+
+
+def speed_only(model, out: Path, names: list[str], rounds: int, llamacpp: bool) -> list[dict]:
+    import statistics
+
+    runs: dict[str, list[dict]] = {}
+    for _ in range(rounds):
+        if llamacpp:
+            import others
+
+            row = llamacpp_row(model or others.smollm2_gguf())
+            runs.setdefault(row["recipe"], []).append(row)
+        for name in names:
+            if (out / name / "model.pte").is_file() and "coreml" not in name:
+                runs.setdefault(name, []).append(bench_row(out / name))
+    return [{"recipe": name, "rounds": len(rs),
+             **{k: round(statistics.median(r[k] for r in rs), 3)
+                for k in ("prefill_tok_s", "decode_tok_s", "floor_fraction") if k in rs[0]}}
+            for name, rs in runs.items()]
+
+
 def llamacpp_row(gguf: str) -> dict:
     out = subprocess.run([sys.executable, str(HERE / "others.py"), "llamacpp", gguf],
                          capture_output=True, text=True)
@@ -118,13 +149,19 @@ def main():
     p.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=list(RECIPES))
     p.add_argument("--max-seq-len", type=int, default=512)
     p.add_argument("--llamacpp", action="store_true")
+    p.add_argument("--speed-only", type=int, metavar="ROUNDS")
     a = p.parse_args()
     model, out = (None, Path(a.paths[0])) if len(a.paths) == 1 else (a.paths[0], Path(a.paths[1]))
     out.mkdir(parents=True, exist_ok=True)
+    sys.path.insert(0, str(HERE))
+    if a.speed_only:
+        rows = speed_only(model, out, a.recipes, a.speed_only, a.llamacpp)
+        print(table(rows))
+        print(json.dumps(rows))
+        return
     rows = []
     with open(out / "recipes.jsonl", "a") as log:
         if a.llamacpp:
-            sys.path.insert(0, str(HERE))
             import others
 
             rows.append(llamacpp_row(model or others.smollm2_gguf()))
