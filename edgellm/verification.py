@@ -135,6 +135,7 @@ def verify(target, steps: int = 8) -> dict:
         with torch.no_grad():
             ref_text = reference(torch.tensor([text])).logits[0, :-1].float()
     del reference, runs
+    release_memory()  # transformers' modules hold cycles too
 
     def collect(forward, prefill):  # eager custom ops log from C++ like the runtime's kernels
         with torch.no_grad(), native_logs():
@@ -213,6 +214,7 @@ def eager_checks(cfg, plan, source, collect, ref) -> tuple:
     from .architectures import build_model
     from .capture import export_forward
     from .pipeline import TORCH_DTYPES
+    from .progress import release_memory
 
     opts = plan.model_options(cfg.context_len)
     eager = build_model(source.hf_config, dict(source.state_dict), opts, torch.float32)
@@ -220,6 +222,8 @@ def eager_checks(cfg, plan, source, collect, ref) -> tuple:
     checks = [measure("rewrite", actual, ref, THRESHOLDS["fp32"])]
     quantized = bool(cfg.quantize or cfg.embedding_quantize)
     if cfg.dtype != "fp32" or quantized:  # the program's own numerics: build it that way
+        del eager
+        release_memory()  # the float model goes before the quantized one is built
         eager = build_model(source.hf_config, dict(source.state_dict), opts,
                             TORCH_DTYPES[cfg.dtype])
         if quantized:
