@@ -73,10 +73,14 @@ def compare(a, b, method: str = "forward") -> dict:
 
 
 def models() -> dict:
-    """Architectures and backends, and which combinations are supported."""
+    """Architectures, backends, quantization recipes and which combinations are supported."""
     from .backends import BACKENDS
     from .architectures import ARCHITECTURES
 
+    from .quantize import EMBEDDING_BACKENDS, RECIPES
+
     return {"architectures": dict(ARCHITECTURES),
             "backends": {name: b.summary for name, b in BACKENDS.items()},
-            "supported": {arch: list(BACKENDS) for arch in ARCHITECTURES}}
+            "supported": {arch: list(BACKENDS) for arch in ARCHITECTURES},
+            "quantize": {name: list(r.backends) for name, r in RECIPES.items()},
+            "embedding_quantize": list(EMBEDDING_BACKENDS)}

@@ -85,7 +85,12 @@ def cmd_models(a) -> int:
     print("backends (chain them in order, e.g. coreml,xnnpack):")
     for name, text in info["backends"].items():
         print(f"  {name:<10} {text}")
-    print("every architecture exports to every backend and chain.")
+    print("every architecture exports to every backend and chain (XNNPACK, the CPU fallback, "
+          "goes last).")
+    print("quantize (--quantize; --embedding-quantize 8 or 4,GROUP):")
+    for name, backends in info["quantize"].items():
+        print(f"  {name:<10} {', '.join(backends)}")
+    print(f"  {'embeddings':<10} {', '.join(info['embedding_quantize'])}")
     return 0
 
 

@@ -13,6 +13,7 @@ def test_models_lists_architectures_and_backends(capsys):
     out = capsys.readouterr().out
     for name in ("lfm2", "llama", "xnnpack", "coreml", "vulkan", "portable"):
         assert name in out
+    assert "  8da4w      xnnpack\n" in out and "  4w         coreml\n" in out
 
 
 def test_bad_input_is_one_line_and_exit_code_2(tmp_path, capsys):
