@@ -134,6 +134,9 @@ def export(cfg: ExportConfig, quiet: bool = False) -> dict:
             del programs
         with stages.stage("serialize"):
             files = write_outputs(tmp, cfg, source, lowered)
+            for backend in plan.backends:
+                if backend.finish_program:
+                    backend.finish_program(tmp / "model.pte")
         delegates = {}
         if any(b.inspect_delegates for b in plan.backends):
             with stages.stage("inspect"):

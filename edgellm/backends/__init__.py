@@ -41,6 +41,8 @@ class Backend:
     # (ExportConfig, options) -> problems with the export as a whole, e.g. options that
     # contradict the config's other fields
     config_problems: Callable | None = None
+    # (written .pte) -> None: rewrites the file in place, keeping its length, before it is read
+    finish_program: Callable | None = None
 
     def check_available(self) -> None:
         missing = [m for m in self.requires if importlib.util.find_spec(m) is None]

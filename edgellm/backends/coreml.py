@@ -8,6 +8,10 @@ Core ML state (iOS 18+) for apps whose runtime binds states. See pytorch/executo
 
 from __future__ import annotations
 
+import hashlib
+import json
+import re
+import uuid
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,7 +106,6 @@ def describe_payloads(pte: Path) -> list[dict]:
 
 def _payloads(pte: Path):
     """(method, delegate index, compile specs, mlpackage path) for every Core ML delegate."""
-    import json
     import tempfile
 
     from executorch.backends.apple.coreml import executorchcoreml
@@ -199,6 +202,91 @@ def _lint(entry: dict, policy: str, states: dict) -> list[str]:
     return wrong
 
 
+
+UUID = re.compile(rb"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}")
+MANIFEST = b'{\n    "fileFormatVersion": "1.0.0",\n    "itemInfoEntries": {'
+
+
+def repeatable_identifiers(pte: Path, chunk: int = 64 << 20) -> dict[str, str]:
+    """Make a Core ML program's bytes a function of its content. ExecuTorch names each payload
+    `executorch_<uuid4>`, and coremltools keys the mlpackage manifest's entries by fresh uuid4s
+    (written in key order, so the entries' order changes too); nothing else differed between two
+    exports of the same model. Every uuid becomes one derived from a hash of the file with the
+    uuids masked and each manifest in a canonical order; manifests are rewritten with the new keys
+    in the same format (same length, so every offset in the program stays valid). The same inputs
+    give the same bytes, different content different identifiers (the device's compiled-model
+    cache keys on them). Returns {old: new}."""
+    found, manifests = _scan(pte, chunk)
+    blocks = []
+    with open(pte, "r+b") as f:
+        for start in manifests:
+            f.seek(start)
+            text = f.read(1 << 20).decode("utf-8", "replace")
+            obj, end = json.JSONDecoder().raw_decode(text)
+            blocks.append((start, len(text[:end].encode()), obj))
+        inside = {o for o in found for s, n, _ in blocks if s <= o < s + n}
+        digest = hashlib.sha256()
+        f.seek(0)
+        base = 0
+        while block := bytearray(f.read(chunk)):
+            for o in found:
+                lo, hi = max(o, base) - base, min(o + 36, base + len(block)) - base
+                if lo < hi:
+                    block[lo:hi] = bytes(hi - lo)
+            for s_, n, _ in blocks:
+                lo, hi = max(s_, base) - base, min(s_ + n, base + len(block)) - base
+                if lo < hi:
+                    block[lo:hi] = bytes(hi - lo)
+            digest.update(block)
+            base += len(block)
+        for _, _, obj in blocks:  # the manifests without their keys, entries by path
+            digest.update(json.dumps(sorted(obj["itemInfoEntries"].values(),
+                                            key=lambda e: e["path"])).encode())
+        seed = digest.digest()
+
+        def derived(*parts) -> str:
+            h = hashlib.sha256(seed + repr(parts).encode()).digest()
+            return str(uuid.UUID(bytes=h[:16], version=4))
+
+        mapping: dict[str, str] = {}
+        for o in sorted(found - inside):
+            f.seek(o)
+            old = f.read(36).decode()
+            mapping.setdefault(old, derived("id", len(mapping)))
+            f.seek(o)
+            f.write(mapping[old].encode())
+        for i, (start, n, obj) in enumerate(blocks):
+            entries = obj["itemInfoEntries"]
+            keys = {k: derived("manifest", i, e["path"]) for k, e in entries.items()}
+            mapping.update(keys)
+            obj["itemInfoEntries"] = {keys[k]: e for k, e in entries.items()}
+            obj["rootModelIdentifier"] = keys.get(obj.get("rootModelIdentifier"),
+                                                  obj.get("rootModelIdentifier"))
+            text = json.dumps(obj, indent=4, sort_keys=True).encode()
+            if len(text) != n:  # not coremltools' format after all: leave this one alone
+                continue
+            f.seek(start)
+            f.write(text)
+    return mapping
+
+
+def _scan(pte: Path, chunk: int) -> tuple[set[int], list[int]]:
+    """Offsets of every uuid and of every mlpackage manifest in the file, read in chunks (the
+    file can be gigabytes; keep it out of resident memory)."""
+    found: set[int] = set()
+    manifests: set[int] = set()
+    with open(pte, "rb") as f:
+        base, tail = 0, b""
+        while block := f.read(chunk):
+            data, start = tail + block, base - len(tail)
+            found.update(start + m.start() for m in UUID.finditer(data))
+            at = data.find(MANIFEST)
+            while at != -1:
+                manifests.add(start + at)
+                at = data.find(MANIFEST, at + 1)
+            tail, base = data[-len(MANIFEST):], base + len(block)
+    return found, sorted(manifests)
+
 BACKEND = Backend(
     name="coreml",
     summary="Apple CPU/GPU/Neural Engine through Core ML; static shapes; builds here, runs on device",
@@ -215,4 +303,5 @@ BACKEND = Backend(
     requires=("coremltools", "executorch.backends.apple.coreml"),
     inspect_delegates=inspect_delegates,
     config_problems=config_problems,
+    finish_program=repeatable_identifiers,
 )
