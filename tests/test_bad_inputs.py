@@ -34,6 +34,13 @@ def misshaped_tensor(folder, tmp_path):
     return [str(out)]
 
 
+def shard_outside_the_folder(folder, tmp_path):
+    out = copy_of(folder, tmp_path)
+    (out / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"model.norm.weight": "../../etc/passwd"}}))
+    return [str(out)]
+
+
 def corrupt_gguf(folder, tmp_path):
     path = tmp_path / "model.gguf"
     path.write_bytes(b"GGUF" + bytes(range(256)) * 4)
@@ -71,6 +78,8 @@ CASES = [
                                 r"be equal to the number of `layer_types` \(3\)\. Fix config\.json"),
     ("llama", misshaped_tensor, r"mis-shaped tensors: model\.layers\.0\.self_attn\.q_proj\.weight "
                                 r"\(64, 63\) \(expected \(64, 64\)\)"),
+    ("llama", shard_outside_the_folder, r"model\.safetensors\.index\.json names shards outside the "
+                                        r"folder: \['\.\./\.\./etc/passwd'\]"),
     ("llama", corrupt_gguf, r"model\.gguf is not a readable GGUF file \(.*\)\. It may be truncated"),
     ("llama", unreadable_tokenizer, r"tokenizer\.json is not a readable tokenizer\.json"),
     ("llama", broken_tokenizer_in_folder, r"model/tokenizer\.json is not a readable "
