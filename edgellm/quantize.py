@@ -136,11 +136,18 @@ def accuracy_bounds(cfg) -> tuple[float, float]:
     return (sqnr - 3.0, round(top1 - 0.05, 2)) if len(bounds) > 1 else (sqnr, top1)
 
 
-def quantize(model, cfg) -> int:
+@dataclass
+class Quantized:
+    bytes_saved: int = 0  # per decode step
+    linears: int = 0  # quantized
+    left_float: list = None  # linears whose input width the group does not divide
+
+
+def quantize(model, cfg) -> Quantized:
     """Quantize the model's nn.Linear weights (cfg.quantize) and nn.Embedding tables
     (cfg.embedding_quantize) in place; returns how many bytes a decode step reads fewer (float
     weights replaced by packed ones and one fp32 scale per group; an embedding step reads one
-    row either way)."""
+    row either way), how many linears were quantized and which were left in float."""
     import torch
     from torch import nn
     from torchao.quantization import (Int8DynamicActivationIntxWeightConfig,
@@ -172,12 +179,14 @@ def quantize(model, cfg) -> int:
             raise InputError(f"embedding_quantize: group {group} does not divide the embedding "
                              "width; choose a group that divides the hidden size, or 0 per row")
     if not cfg.quantize:
-        return 0
+        return Quantized(left_float=[])
     recipe, group = RECIPES[cfg.quantize], group_of(cfg)
-    saved = []
+    saved, skipped = [], []
 
     def linear_fits(module, fqn):
         fits = isinstance(module, nn.Linear) and (group == 0 or module.in_features % group == 0)
+        if isinstance(module, nn.Linear) and not fits:
+            skipped.append(fqn)
         if fits:
             rows, cols = module.weight.shape
             groups = rows * (1 if group == 0 else cols // group)
@@ -197,4 +206,4 @@ def quantize(model, cfg) -> int:
         raise InputError(f"quantize: no linear layer's input width is a multiple of group_size "
                          f"{group}; choose a group size that divides the hidden size, or 0 for "
                          "per-channel")
-    return sum(saved)
+    return Quantized(sum(saved), len(saved), skipped)

@@ -107,3 +107,16 @@ def test_bounds_of_a_combined_recipe_are_the_looser_ones_loosened():
     both = ExportConfig(quantize="8da8w", embedding_quantize="4,32")
     assert accuracy_bounds(both) == (12.0, 0.65)
     assert accuracy_bounds(dataclasses.replace(both, embedding_quantize=None)) == (20.0, 0.8)
+
+
+def test_linears_a_group_does_not_divide_are_reported_and_named(tiny_models, tmp_path, capsys):
+    """The tiny Llama's hidden size is 64: with group 128 only down_proj (input 128) is 4-bit,
+    as in export_llm; the export says so instead of shipping a mostly-float program quietly."""
+    report = edgellm.export(tiny_models["llama"][0], output=tmp_path / "q", backends="xnnpack",
+                            quantize="8da4w", group_size=128, verify=False, **SIZES)
+    q = report["quantization"]
+    assert (q["recipe"], q["group_size"], q["linears_quantized"]) == ("8da4w", 128, 2)
+    assert len(q["linears_left_float"]) == 13 and "lm_head" in q["linears_left_float"]
+    err = capsys.readouterr().err
+    assert ("[edgellm] quantize: 13 of 15 linears stay in float: their input width is no multiple "
+            "of group_size 128 (model.layers.0.self_attn.q_proj") in err
