@@ -20,7 +20,7 @@ Linears whose input width the group does not divide stay in float (as in export_
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -140,7 +140,7 @@ def accuracy_bounds(cfg) -> tuple[float, float]:
 class Quantized:
     bytes_saved: int = 0  # per decode step
     linears: int = 0  # quantized
-    left_float: list = None  # linears whose input width the group does not divide
+    left_float: list = field(default_factory=list)  # linears the group does not divide
 
 
 def quantize(model, cfg) -> Quantized:
@@ -179,7 +179,7 @@ def quantize(model, cfg) -> Quantized:
             raise InputError(f"embedding_quantize: group {group} does not divide the embedding "
                              "width; choose a group that divides the hidden size, or 0 per row")
     if not cfg.quantize:
-        return Quantized(left_float=[])
+        return Quantized()
     recipe, group = RECIPES[cfg.quantize], group_of(cfg)
     saved, skipped = [], []
 
