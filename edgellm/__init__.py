@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from .errors import ConfigError, EdgeLLMError, InputError, VerificationError
 
-__all__ = ["export", "verify", "bench", "generate", "models", "compare", "EdgeLLMError", "InputError", "ConfigError",
-           "VerificationError"]
+__all__ = ["export", "verify", "bench", "generate", "models", "compare", "EdgeLLMError",
+           "InputError", "ConfigError", "VerificationError"]
 
 
 def resolve_config(model=None, *, config=None, overrides=(), **options):
@@ -76,7 +76,6 @@ def models() -> dict:
     """Architectures, backends, quantization recipes and which combinations are supported."""
     from .backends import BACKENDS
     from .architectures import ARCHITECTURES
-
     from .quantize import EMBEDDING_BACKENDS, RECIPES
 
     return {"architectures": dict(ARCHITECTURES),

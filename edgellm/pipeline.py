@@ -22,7 +22,6 @@ from .backends import plan_for
 from .config import ExportConfig, dump_yaml
 from .errors import InputError
 from .progress import Stages, peak_rss_mb, release_memory
-from .quantize import group_of
 
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -61,13 +60,6 @@ def staging(dest: Path, force: bool):
             os.replace(tmp, dest)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-def left_float_warning(cfg: ExportConfig, done) -> str:
-    names = ", ".join(done.left_float[:3]) + (", ..." if len(done.left_float) > 3 else "")
-    return (f"[edgellm] quantize: {len(done.left_float)} of {len(done.left_float) + done.linears} "
-            f"linears stay in float: their input width is no multiple of group_size "
-            f"{group_of(cfg)} ({names}); a smaller --group-size quantizes them")
 
 
 def remove_stale_partials(dest: Path) -> None:
@@ -132,8 +124,8 @@ def export(cfg: ExportConfig, quiet: bool = False) -> dict:
 
                 done = quantize(model, cfg)
                 weights_per_token -= done.bytes_saved
-            if done.left_float and not quiet:
-                print(left_float_warning(cfg, done), file=sys.stderr, flush=True)
+            if done.warning() and not quiet:
+                print(done.warning(), file=sys.stderr, flush=True)
         with stages.stage("export"):
             programs = export_methods(model, cfg.max_seq_len, plan.dynamic_shapes,
                                       cfg.prefill_chunk)
@@ -158,10 +150,7 @@ def export(cfg: ExportConfig, quiet: bool = False) -> dict:
         rep = build_report(cfg, plan, source, lowered, stages, (files, pte_bytes))
         rep["delegates"], rep["weight_bytes_per_token"] = delegates, weights_per_token
         if done:
-            rep["quantization"] = {"recipe": cfg.quantize, "group_size": cfg.quantize and
-                                   group_of(cfg), "embeddings": cfg.embedding_quantize,
-                                   "linears_quantized": done.linears,
-                                   "linears_left_float": done.left_float}
+            rep["quantization"] = done.report()
         reports.write(rep, tmp)
         if cfg.verify:
             release_memory()

@@ -6,7 +6,7 @@ A recipe is a torchao config handed to `quantize_`; nothing here quantizes by ha
   (`Int8DynamicActivationIntxWeightConfig`, HQQ scale search, like ExecuTorch `export_llm`'s
   `qmode` of the same name). 4-bit is group-wise (128 unless given) or per channel (group 0);
   8-bit is per channel: XNNPACK has group-wise kernels for 4-bit weights only.
-- `4w`, `8w` (Core ML): weight-only (`IntxWeightOnlyConfig`); Core ML stores them as
+- `4w`, `8w` (Core ML): weight-only (`IntxWeightOnlyConfig`, HQQ scales too); Core ML stores them as
   `constexpr_blockwise_shift_scale` (iOS 18) or `constexpr_affine_dequantize` (8-bit per channel,
   iOS 17). 4-bit defaults to blocks of 32 (export_llm's `b4w`); group 0 is per channel (`c4w`).
   XNNPACK is refused: ExecuTorch 1.5.1's partitioner delegates a torchao weight-only linear but
@@ -20,7 +20,7 @@ Linears whose input width the group does not divide stay in float (as in export_
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,7 @@ WRONG_ON_XNNPACK = ("ExecuTorch 1.5.1's XNNPACK delegate takes torchao weight-on
                     "multiplies by the unscaled integers (wrong logits, no error)")
 NO_KERNELS = {("4w", "xnnpack"): f"{WRONG_ON_XNNPACK}; use 8da4w on xnnpack",
               ("8w", "xnnpack"): f"{WRONG_ON_XNNPACK}; use 8da8w on xnnpack"}
+HQQ = "hqq_scale_only"  # every recipe's scale search, as export_llm's (its `use_hqq: true`)
 EMBEDDING_BACKENDS = ("xnnpack", "portable", "coreml")
 EMBEDDING_DEFAULT_GROUP = {8: 0, 4: 32}
 # bounds of an embedding recipe alone, and the margin a combined recipe loses
@@ -138,9 +139,27 @@ def accuracy_bounds(cfg) -> tuple[float, float]:
 
 @dataclass
 class Quantized:
+    """What quantize() did: report.json's `quantization`, and the bytes a decode step saves."""
+
+    recipe: str | None
+    group_size: int | None
+    embeddings: str | None
     bytes_saved: int = 0  # per decode step
-    linears: int = 0  # quantized
-    left_float: list = field(default_factory=list)  # linears the group does not divide
+    linears_quantized: int = 0
+    linears_left_float: list = field(default_factory=list)  # inputs the group does not divide
+
+    def report(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if k != "bytes_saved"}
+
+    def warning(self) -> str | None:
+        """One line naming the linears left in float, or None."""
+        left = self.linears_left_float
+        if not left:
+            return None
+        names = ", ".join(left[:3]) + (", ..." if len(left) > 3 else "")
+        return (f"[edgellm] quantize: {len(left)} of {len(left) + self.linears_quantized} "
+                f"linears stay in float: their input width is no multiple of group_size "
+                f"{self.group_size} ({names}); a smaller --group-size quantizes them")
 
 
 def quantize(model, cfg) -> Quantized:
@@ -179,7 +198,7 @@ def quantize(model, cfg) -> Quantized:
             raise InputError(f"embedding_quantize: group {group} does not divide the embedding "
                              "width; choose a group that divides the hidden size, or 0 per row")
     if not cfg.quantize:
-        return Quantized()
+        return Quantized(None, None, cfg.embedding_quantize)
     recipe, group = RECIPES[cfg.quantize], group_of(cfg)
     saved, skipped = [], []
 
@@ -197,13 +216,14 @@ def quantize(model, cfg) -> Quantized:
     if recipe.dynamic:
         config = Int8DynamicActivationIntxWeightConfig(
             weight_dtype=dtype(recipe.bits), weight_granularity=granularity(group),
-            intx_choose_qparams_algorithm="hqq_scale_only")
+            intx_choose_qparams_algorithm=HQQ)
     else:
         config = IntxWeightOnlyConfig(weight_dtype=dtype(recipe.bits),
-                                      granularity=granularity(group))
+                                      granularity=granularity(group),
+                                      intx_choose_qparams_algorithm=HQQ)
     quantize_(model, config, filter_fn=linear_fits)
     if not saved:
         raise InputError(f"quantize: no linear layer's input width is a multiple of group_size "
                          f"{group}; choose a group size that divides the hidden size, or 0 for "
                          "per-channel")
-    return Quantized(sum(saved), len(saved), skipped)
+    return Quantized(cfg.quantize, group, cfg.embedding_quantize, sum(saved), len(saved), skipped)

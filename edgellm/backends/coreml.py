@@ -202,7 +202,6 @@ def _lint(entry: dict, policy: str, states: dict) -> list[str]:
     return wrong
 
 
-
 UUID = re.compile(rb"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}")
 MANIFEST = b'{\n    "fileFormatVersion": "1.0.0",\n    "itemInfoEntries": {'
 
@@ -225,16 +224,13 @@ def repeatable_identifiers(pte: Path, chunk: int = 64 << 20) -> dict[str, str]:
             obj, end = json.JSONDecoder().raw_decode(text)
             blocks.append((start, len(text[:end].encode()), obj))
         inside = {o for o in found for s, n, _ in blocks if s <= o < s + n}
+        masked = [(o, 36) for o in found] + [(s, n) for s, n, _ in blocks]
         digest = hashlib.sha256()
         f.seek(0)
         base = 0
         while block := bytearray(f.read(chunk)):
-            for o in found:
-                lo, hi = max(o, base) - base, min(o + 36, base + len(block)) - base
-                if lo < hi:
-                    block[lo:hi] = bytes(hi - lo)
-            for s_, n, _ in blocks:
-                lo, hi = max(s_, base) - base, min(s_ + n, base + len(block)) - base
+            for start, n in masked:
+                lo, hi = max(start, base) - base, min(start + n, base + len(block)) - base
                 if lo < hi:
                     block[lo:hi] = bytes(hi - lo)
             digest.update(block)
@@ -286,6 +282,7 @@ def _scan(pte: Path, chunk: int) -> tuple[set[int], list[int]]:
                 at = data.find(MANIFEST, at + 1)
             tail, base = data[-len(MANIFEST):], base + len(block)
     return found, sorted(manifests)
+
 
 BACKEND = Backend(
     name="coreml",
