@@ -156,6 +156,8 @@ def verify(target, steps: int = 8) -> dict:
                 "cannot run it; the exported graph before lowering was checked")
     actual = collect(*candidate)
     checks.append(measure(level, actual, expected, limits, note=note))
+    if not checks[-1].passed and (cfg.quantize or cfg.embedding_quantize):
+        checks[-1] = kernel_rounding(checks[-1], actual, expected, ref)
     if text:
         with torch.no_grad(), native_logs():
             text_logits = run_steps(candidate[0], candidate[1], text[:1], text[1:])
@@ -177,6 +179,30 @@ def verify(target, steps: int = 8) -> dict:
 
 
 TEXT = Path(__file__).parent / "data" / "perplexity.txt"
+# what a quantized program may lose against fp32 beyond its eager model: at most twice the
+# error power (3 dB), and 0.05 top-1
+KERNEL_MARGIN = (3.0, 0.05)
+
+
+def kernel_rounding(check: Check, actual: list, expected: list, ref: list) -> Check:
+    """A quantized program that misses the program check's bounds against torchao's eager model
+    passes when it is as close to the float model as that eager model is (within KERNEL_MARGIN):
+    XNNPACK quantizes activations with its own rounding, so where the weights lose nothing (a
+    GGUF's grid kept) program and eager model differ by as much as either differs from fp32. A
+    broken lowering lands far from fp32 and still fails."""
+    from dataclasses import replace
+
+    from .numerics import compare
+
+    own, eager = compare(torch.cat(actual), torch.cat(ref)), compare(torch.cat(expected),
+                                                                      torch.cat(ref))
+    close = (own.sqnr_db >= eager.sqnr_db - KERNEL_MARGIN[0]
+             and own.argmax_agree >= eager.argmax_agree - KERNEL_MARGIN[1])
+    why = (f"against fp32 the program reaches {own.sqnr_db:.1f} dB / top-1 "
+           f"{own.argmax_agree:.3f}, the eager quantized model {eager.sqnr_db:.1f} dB / "
+           f"{eager.argmax_agree:.3f}")
+    verdict = ("passed as kernel rounding: " if close else "not explained by kernel rounding: ")
+    return replace(check, passed=close, note="; ".join(filter(None, [check.note, verdict + why])))
 
 
 def recipe_cost(cfg, level: str, on: str, actual: list, reference: list) -> Check:
@@ -229,7 +255,7 @@ def eager_checks(cfg, plan, source, collect, ref) -> tuple:
         if quantized:
             from .quantize import quantize
 
-            quantize(eager, cfg)
+            quantize(eager, cfg, source.stored_types)
         actual = collect(eager, eager_prefill(eager))
     limits = THRESHOLDS["quantized" if quantized else cfg.dtype]
     if all(b.runs_here for b in plan.backends):

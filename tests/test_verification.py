@@ -65,3 +65,25 @@ def test_core_ml_is_checked_as_far_as_this_machine_can(tiny_models, tmp_path):
 def test_verify_refuses_a_folder_without_an_export(tmp_path, capsys):
     assert main(["verify", str(tmp_path)]) == 2
     assert "No config.yaml in" in capsys.readouterr().err
+
+
+def test_a_quantized_program_passes_as_kernel_rounding_only_when_as_close_to_fp32():
+    """XNNPACK's activation rounding differs from torchao's: a program whose error against fp32
+    is independent of, and as large as, its eager model's misses the program bound against that
+    model but passes; a program far from fp32 fails, and the note says which rule applied."""
+    import torch
+
+    from edgellm.verification import THRESHOLDS, kernel_rounding, measure
+
+    g = torch.Generator().manual_seed(0)
+    ref = [torch.randn(8, 50, generator=g) * 4 + torch.eye(8, 50) * 16]  # clear greedy tokens
+    eager = [ref[0] + torch.randn(8, 50, generator=g) * 0.4]  # 20 dB from fp32
+    rounding = [ref[0] + torch.randn(8, 50, generator=g) * 0.4]  # as far, elsewhere
+    broken = [ref[0] + torch.randn(8, 50, generator=g) * 2.0]
+    for actual, passes in ((rounding, True), (broken, False)):
+        check = measure("program", actual, eager, THRESHOLDS["quantized"])
+        assert not check.passed and check.sqnr_db < 20  # 17 dB apart: the plain rule fails
+        judged = kernel_rounding(check, actual, eager, ref)
+        assert judged.passed is passes and judged.sqnr_db == check.sqnr_db
+        assert judged.note.startswith("passed as kernel rounding: against fp32 the program "
+                                      if passes else "not explained by kernel rounding: ")
