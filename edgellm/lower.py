@@ -116,13 +116,16 @@ def forget_lowered_graphs() -> None:
 
 
 def lower(programs: dict[str, ExportedProgram], partitioners: list, constant_methods: dict,
-          etrecord: bool, quant_fusion: bool = False) -> Lowered:
+          etrecord: bool, quant_fusion: bool = False, dedupe: bool = False) -> Lowered:
     """quant_fusion: rewrite torchao's dequantize + embedding left outside the delegates into
     ExecuTorch's quantized embedding kernels (`embedding_byte` / `embedding_4bit`), as
-    export_llm does; without it `to_executorch` finds no out variant for dequantize_affine."""
+    export_llm does; without it `to_executorch` finds no out variant for dequantize_affine.
+    dedupe: ExecuTorch's CSEPass before partitioning, which merges the block sums that linears
+    reading the same input each compute (quantize.GridLinear: q, k and v share one)."""
     from executorch.exir import (EdgeCompileConfig, ExecutorchBackendConfig,
                                  to_edge_transform_and_lower)
     from executorch.exir.passes import MemoryPlanningPass
+    from executorch.exir.passes.cse_pass import CSEPass
     from executorch.exir.passes.sym_shape_eval_pass import ConstraintBasedSymShapeEvalPass
 
     from .report import delegation, op_histogram, preserved_report
@@ -137,7 +140,7 @@ def lower(programs: dict[str, ExportedProgram], partitioners: list, constant_met
             programs, partitioner=partitioners or None, constant_methods=constant_methods,
             # llama:: custom ops are not core ATen; ExecuTorch's own LLM export skips this check too
             compile_config=EdgeCompileConfig(_check_ir_validity=False),
-            generate_etrecord=etrecord)
+            transform_passes=[CSEPass()] if dedupe else None, generate_etrecord=etrecord)
     figures = {name: delegation(edge.exported_program(name).graph_module) for name in programs}
     fates = preserved_report(preserved, ops_before, edge)
     for name in programs:  # a buffer a delegate took over is no longer the program's to write
