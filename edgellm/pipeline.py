@@ -122,10 +122,10 @@ def export(cfg: ExportConfig, quiet: bool = False) -> dict:
             with stages.stage("quantize"):
                 from .quantize import quantize
 
-                done = quantize(model, cfg)
+                done = quantize(model, cfg, source.stored_types)
                 weights_per_token -= done.bytes_saved
-            if done.warning() and not quiet:
-                print(done.warning(), file=sys.stderr, flush=True)
+            for line in [] if quiet else done.notes():
+                print(line, file=sys.stderr, flush=True)
         with stages.stage("export"):
             programs = export_methods(model, cfg.max_seq_len, plan.dynamic_shapes,
                                       cfg.prefill_chunk)
@@ -134,7 +134,8 @@ def export(cfg: ExportConfig, quiet: bool = False) -> dict:
         with stages.stage("lower"):
             meta = metadata(cfg, source, plan.dynamic_shapes, opts.attention == "custom_ops")
             lowered = lower(programs, plan.partitioners(), meta, cfg.etrecord,
-                            quant_fusion=cfg.embedding_quantize is not None)
+                            quant_fusion=cfg.embedding_quantize is not None,
+                            dedupe=bool(done and done.linears_on_source_grid))
             del programs
         with stages.stage("serialize"):
             files = write_outputs(tmp, cfg, source, lowered)

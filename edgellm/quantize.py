@@ -16,10 +16,21 @@ Embeddings (`embedding_quantize: "BITS[,GROUP]"`, export_llm's syntax): weight-o
 tables; on XNNPACK and portable ExecuTorch's quant fusion turns them into
 `quantized_decomposed::embedding_byte` / `embedding_4bit`, on Core ML a gather from a constexpr.
 Linears whose input width the group does not divide stay in float (as in export_llm).
+
+Weights that were already 4-bit in the source (a GGUF's Q4_0 / Q4_1, whose blocks of 32 hold 16
+evenly spaced levels) are not quantized a second time by a 4-bit recipe: `8da4w` then defaults to
+group 32, and a linear whose every block lies on such a grid becomes 4-bit codes on a symmetric
+grid (which torchao's `SYMMETRIC_NO_CLIPPING_ERR` scale choice reproduces exactly) plus, where the
+grid is offset (Q4_1's float minimum, which integer zero points cannot hold), a float offset per
+block applied to the input's block sums (`GridLinear`). Linears the GGUF keeps above 4 bits while
+it stores others at 4 (SmolLM2's Q8_0 tied head) get 8-bit weights under a 4-bit recipe: the
+file's author spared them. Core ML folds norm weights into most linears, so grids survive only
+for XNNPACK's recipe there.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, field
 
 
@@ -43,7 +54,9 @@ WRONG_ON_XNNPACK = ("ExecuTorch 1.5.1's XNNPACK delegate takes torchao weight-on
                     "multiplies by the unscaled integers (wrong logits, no error)")
 NO_KERNELS = {("4w", "xnnpack"): f"{WRONG_ON_XNNPACK}; use 8da4w on xnnpack",
               ("8w", "xnnpack"): f"{WRONG_ON_XNNPACK}; use 8da8w on xnnpack"}
-HQQ = "hqq_scale_only"  # every recipe's scale search, as export_llm's (its `use_hqq: true`)
+HQQ = "hqq_scale_only"
+GRID_BLOCK = 32  # GGUF's Q4_0 and Q4_1 blocks
+GRID_TYPES = ("Q4_0", "Q4_1")  # every recipe's scale search, as export_llm's (its `use_hqq: true`)
 EMBEDDING_BACKENDS = ("xnnpack", "portable", "coreml")
 EMBEDDING_DEFAULT_GROUP = {8: 0, 4: 32}
 # bounds of an embedding recipe alone, and the margin a combined recipe loses
@@ -137,6 +150,41 @@ def accuracy_bounds(cfg) -> tuple[float, float]:
     return (sqnr - 3.0, round(top1 - 0.05, 2)) if len(bounds) > 1 else (sqnr, top1)
 
 
+def stored_bits(kind: str | None) -> int | None:
+    """Bits per weight of a GGUF storage type: 'Q4_1' -> 4, 'Q8_0' -> 8, 'F16' -> 16."""
+    found = re.search(r"\d+", kind or "")
+    return int(found.group()) if found else None
+
+
+def block_grid(weight, block: int = GRID_BLOCK, tol: float = 1e-3):
+    """(codes, offsets) when every block of `block` input columns of `weight` (out, in) holds at
+    most 16 evenly spaced levels offset + step * k, k in -8..7: codes = weight - offset (out, in),
+    offsets (out, in / block), zero where the grid runs through zero. Q4_1 blocks span their
+    minimum to maximum in 15 steps; Q4_0 blocks step max|w| / 8 through zero. Else None."""
+    import torch
+
+    rows, cols = weight.shape
+    if cols % block:
+        return None
+    b = weight.detach().float().view(rows, cols // block, block)
+    lo, hi = b.amin(-1, keepdim=True), b.amax(-1, keepdim=True)
+
+    def levels(step, origin):  # (rows, blocks) whether every value is origin + step * integer
+        k = (b - origin) / torch.where(step > 0, step, torch.ones_like(step))
+        return ((k - k.round()).abs() <= tol).all(-1), k
+
+    step1 = (hi - lo) / 15  # Q4_1-like: lo is level -8, hi level 7
+    fits1, _ = levels(step1, lo)
+    step0 = torch.maximum(-lo, hi) / 8  # Q4_0-like: zero is a level, max|w| is level -8 or 8
+    fits0, k0 = levels(step0, torch.zeros_like(lo))
+    top = k0.amax(-1) > 7.5
+    fits0 &= ~(top & (k0.amin(-1) < -7.5))  # -8..8 are 17 levels
+    if not bool((fits0 | fits1).all()):
+        return None
+    offsets = torch.where(fits0, torch.where(top, step0[..., 0], 0.0), (lo + 8 * step1)[..., 0])
+    return (b - offsets[..., None]).view(rows, cols), offsets
+
+
 @dataclass
 class Quantized:
     """What quantize() did: report.json's `quantization`, and the bytes a decode step saves."""
@@ -147,83 +195,186 @@ class Quantized:
     bytes_saved: int = 0  # per decode step
     linears_quantized: int = 0
     linears_left_float: list = field(default_factory=list)  # inputs the group does not divide
+    linears_on_source_grid: int = 0  # 4-bit grids kept exactly (GGUF Q4_0 / Q4_1)
+    linears_at_8_bits: list = field(default_factory=list)  # the source stores them above 4 bits
 
     def report(self) -> dict:
         return {k: v for k, v in asdict(self).items() if k != "bytes_saved"}
 
-    def warning(self) -> str | None:
-        """One line naming the linears left in float, or None."""
-        left = self.linears_left_float
-        if not left:
-            return None
-        names = ", ".join(left[:3]) + (", ..." if len(left) > 3 else "")
-        return (f"[edgellm] quantize: {len(left)} of {len(left) + self.linears_quantized} "
-                f"linears stay in float: their input width is no multiple of group_size "
-                f"{self.group_size} ({names}); a smaller --group-size quantizes them")
+    def notes(self) -> list[str]:
+        """Lines for stderr: linears left in float (a warning), grids kept, 8-bit exceptions."""
+        out, left = [], self.linears_left_float
+        if left:
+            names = ", ".join(left[:3]) + (", ..." if len(left) > 3 else "")
+            out.append(f"[edgellm] quantize: {len(left)} of {len(left) + self.linears_quantized}"
+                       f" linears stay in float: their input width is no multiple of group_size"
+                       f" {self.group_size} ({names}); a smaller --group-size quantizes them")
+        if self.linears_on_source_grid:
+            out.append(f"[edgellm] quantize: {self.linears_on_source_grid} linears keep the "
+                       f"source's 4-bit grid exactly (blocks of {self.group_size})")
+        if self.embeddings and "asked" in self.embeddings:
+            out.append(f"[edgellm] quantize: embeddings {self.embeddings}")
+        if self.linears_at_8_bits:
+            eight = self.linears_at_8_bits
+            out.append(f"[edgellm] quantize: {len(eight)} linears get 8-bit weights: the source "
+                       f"stores them above 4 bits ({', '.join(eight[:3])}"
+                       f"{', ...' if len(eight) > 3 else ''})")
+        return out
 
 
-def quantize(model, cfg) -> Quantized:
-    """Quantize the model's nn.Linear weights (cfg.quantize) and nn.Embedding tables
-    (cfg.embedding_quantize) in place; returns how many bytes a decode step reads fewer (float
-    weights replaced by packed ones and one fp32 scale per group; an embedding step reads one
-    row either way), how many linears were quantized and which were left in float."""
-    import torch
+def source_types(model, stored: dict) -> dict:
+    """Linear module name -> the source's storage type of its weight, and "embedding" -> the
+    table's; a tied head (no weight of its own in the source) takes the embedding's."""
     from torch import nn
-    from torchao.quantization import (Int8DynamicActivationIntxWeightConfig,
-                                      IntxWeightOnlyConfig, quantize_)
+
+    names = {n: m for n, m in model.named_modules()}
+    embed = next((f"{n}.weight" for n, m in names.items() if isinstance(m, nn.Embedding)), None)
+    out = {n: stored.get(f"{n}.weight") for n, m in names.items() if isinstance(m, nn.Linear)}
+    if "lm_head" in out and out["lm_head"] is None:
+        out["lm_head"] = stored.get(embed)
+    out["embedding"] = stored.get(embed)
+    return {n: t for n, t in out.items() if t is not None}
+
+
+def _torchao(bits: int, group: int, dynamic: bool, algorithm: str = HQQ, exact: bool = False):
+    """The torchao config of a recipe: `exact` keeps a symmetric grid whose step is
+    max(-min / 8, max / 7) (SYMMETRIC_NO_CLIPPING_ERR), which HQQ's search would move."""
+    import torch
+    from torchao.quantization import Int8DynamicActivationIntxWeightConfig, IntxWeightOnlyConfig
     from torchao.quantization.granularity import PerAxis, PerGroup
+    from torchao.quantization.quant_primitives import MappingType
+
+    dtype, granularity = (torch.int4 if bits == 4 else torch.int8,
+                          PerAxis(0) if group == 0 else PerGroup(group))
+    mapping = MappingType.SYMMETRIC_NO_CLIPPING_ERR if exact else MappingType.SYMMETRIC
+    if dynamic:
+        return Int8DynamicActivationIntxWeightConfig(
+            weight_dtype=dtype, weight_granularity=granularity, weight_mapping_type=mapping,
+            intx_choose_qparams_algorithm=algorithm)
+    return IntxWeightOnlyConfig(weight_dtype=dtype, granularity=granularity, mapping_type=mapping,
+                                intx_choose_qparams_algorithm=algorithm)
+
+
+def _packed(weight, bits: int, group: int) -> int:
+    rows, cols = weight.shape
+    return rows * cols * bits // 8 + rows * (1 if group == 0 else cols // group) * 4
+
+
+def _quantize_embeddings(model, cfg, types: dict, four_bit: bool, done: Quantized) -> None:
+    from torch import nn
+    from torchao.quantization import quantize_
 
     from .errors import InputError
 
-    def granularity(group):
-        return PerAxis(0) if group == 0 else PerGroup(group)
+    bits, group = parse_embedding(cfg.embedding_quantize)
+    if bits == 4 and four_bit and (stored_bits(types.get("embedding")) or 0) > 4:
+        bits, group = 8, 0  # the source spared its table: 8 bits per row
+        done.embeddings = (f"8,0 (asked {cfg.embedding_quantize}; the source stores the table "
+                           f"as {types['embedding']})")
+    tables = []
 
-    def dtype(bits):
-        return torch.int4 if bits == 4 else torch.int8
+    def embedding_fits(module, fqn):
+        if not isinstance(module, nn.Embedding):
+            return False
+        tables.append(group == 0 or module.embedding_dim % group == 0)
+        return tables[-1]
 
+    quantize_(model, _torchao(bits, group, dynamic=False, algorithm="affine"),
+              filter_fn=embedding_fits)
+    if not any(tables):
+        raise InputError(f"embedding_quantize: group {group} does not divide the embedding "
+                         "width; choose a group that divides the hidden size, or 0 per row")
+
+
+def _keep_grids(model, types: dict, dynamic: bool, done: Quantized) -> list[int]:
+    """Replace every linear the source stored as Q4_0 / Q4_1 and whose blocks lie on a grid by
+    its exact 4-bit form (a GridLinear where the grid is offset); returns the bytes each saves."""
+    import torch
+    from torch import nn
+    from torchao.quantization import quantize_
+
+    from .architectures.layers import GridLinear
+
+    exact, saved, sums = _torchao(4, GRID_BLOCK, dynamic, "affine", exact=True), [], {}
+    for fqn, module in list(model.named_modules()):
+        if types.get(fqn) not in GRID_TYPES or not isinstance(module, nn.Linear):
+            continue
+        found = block_grid(module.weight)
+        offset = found is not None and bool(found[1].any())
+        if found is None or offset and fqn == "lm_head":  # the head is applied as a weight
+            continue
+        codes, offsets = found
+        size = module.weight.element_size()
+        saved.append(module.weight.numel() * size - _packed(codes, 4, GRID_BLOCK)
+                     - (offsets.numel() * size if offset else 0))
+        if offset:
+            width = codes.shape[1]
+            if width not in sums:
+                eye = torch.eye(width // GRID_BLOCK).repeat_interleave(GRID_BLOCK, dim=1)
+                sums[width] = nn.Parameter(eye.to(module.weight.dtype), requires_grad=False)
+            parent, _, name = fqn.rpartition(".")
+            module = GridLinear(module, codes, offsets, sums[width])
+            setattr(model.get_submodule(parent), name, module)
+            module = module.linear
+        quantize_(module, exact, filter_fn=lambda m, f: isinstance(m, nn.Linear))
+        done.linears_on_source_grid += 1
+    return saved
+
+
+def quantize(model, cfg, stored: dict | None = None) -> Quantized:
+    """Quantize the model's nn.Linear weights (cfg.quantize) and nn.Embedding tables
+    (cfg.embedding_quantize) in place; `stored` maps HF parameter names to the source's storage
+    types (GGUF), whose 4-bit grids and 8-bit choices a 4-bit recipe keeps. Returns how many
+    bytes a decode step reads fewer (float weights replaced by packed ones and one fp32 scale per
+    group; an embedding step reads one row either way) and what happened to each linear."""
+    from torch import nn
+    from torchao.quantization import quantize_
+
+    from .architectures.layers import GridLinear
+    from .errors import InputError
+
+    types = source_types(model, stored or {})
+    linear_types = [t for n, t in types.items() if n != "embedding"]
+    four_bit = any((stored_bits(t) or 99) <= 4 for t in linear_types)
+    done = Quantized(cfg.quantize, None, cfg.embedding_quantize)
     if cfg.embedding_quantize:
-        bits, group = parse_embedding(cfg.embedding_quantize)
-        tables = []
-
-        def embedding_fits(module, fqn):
-            if not isinstance(module, nn.Embedding):
-                return False
-            tables.append(group == 0 or module.embedding_dim % group == 0)
-            return tables[-1]
-
-        quantize_(model, IntxWeightOnlyConfig(weight_dtype=dtype(bits),
-                                              granularity=granularity(group)),
-                  filter_fn=embedding_fits)
-        if not any(tables):
-            raise InputError(f"embedding_quantize: group {group} does not divide the embedding "
-                             "width; choose a group that divides the hidden size, or 0 per row")
+        _quantize_embeddings(model, cfg, types, four_bit, done)
     if not cfg.quantize:
-        return Quantized(None, None, cfg.embedding_quantize)
-    recipe, group = RECIPES[cfg.quantize], group_of(cfg)
-    saved, skipped = [], []
+        return done
+    recipe = RECIPES[cfg.quantize]
+    four_bit &= recipe.bits == 4
+    grids = recipe.dynamic and any(t in GRID_TYPES for t in linear_types)
+    group = done.group_size = GRID_BLOCK if grids and cfg.group_size is None else group_of(cfg)
+    saved = _keep_grids(model, types, recipe.dynamic, done) if grids and group == GRID_BLOCK \
+        else []
+    grid_parts = {f"{n}.{part}" for n, m in model.named_modules() if isinstance(m, GridLinear)
+                  for part in ("sums", "offset")}  # float by design
 
-    def linear_fits(module, fqn):
-        fits = isinstance(module, nn.Linear) and (group == 0 or module.in_features % group == 0)
-        if isinstance(module, nn.Linear) and not fits:
-            skipped.append(fqn)
-        if fits:
-            rows, cols = module.weight.shape
-            groups = rows * (1 if group == 0 else cols // group)
-            packed = rows * cols * recipe.bits // 8 + groups * 4
-            saved.append(module.weight.numel() * module.weight.element_size() - packed)
+    def choose(bits):
+        def fits(module, fqn):
+            if (not isinstance(module, nn.Linear) or fqn in grid_parts
+                    or hasattr(module.weight, "qdata")):  # a kept grid, already quantized
+                return False
+            higher = four_bit and (stored_bits(types.get(fqn)) or 0) > 4
+            if higher != (bits == 8 and recipe.bits == 4):
+                return False
+            g = 0 if higher else group
+            if g and module.in_features % g:
+                done.linears_left_float.append(fqn)
+                return False
+            saved.append(module.weight.numel() * module.weight.element_size()
+                         - _packed(module.weight, bits, g))
+            if higher:
+                done.linears_at_8_bits.append(fqn)
+            return True
         return fits
 
-    if recipe.dynamic:
-        config = Int8DynamicActivationIntxWeightConfig(
-            weight_dtype=dtype(recipe.bits), weight_granularity=granularity(group),
-            intx_choose_qparams_algorithm=HQQ)
-    else:
-        config = IntxWeightOnlyConfig(weight_dtype=dtype(recipe.bits),
-                                      granularity=granularity(group),
-                                      intx_choose_qparams_algorithm=HQQ)
-    quantize_(model, config, filter_fn=linear_fits)
+    if four_bit:  # linears the source keeps above 4 bits: 8-bit per channel
+        quantize_(model, _torchao(8, 0, recipe.dynamic), filter_fn=choose(8))
+    quantize_(model, _torchao(recipe.bits, group, recipe.dynamic), filter_fn=choose(recipe.bits))
     if not saved:
         raise InputError(f"quantize: no linear layer's input width is a multiple of group_size "
                          f"{group}; choose a group size that divides the hidden size, or 0 for "
                          "per-channel")
-    return Quantized(cfg.quantize, group, cfg.embedding_quantize, sum(saved), len(saved), skipped)
+    done.bytes_saved, done.linears_quantized = sum(saved), len(saved)
+    return done

@@ -4,12 +4,15 @@ perplexity along the shipped text), within the recipe's stated bounds; impossibl
 refused before any work."""
 
 import dataclasses
+import shutil
+from pathlib import Path
 
 import pytest
+import torch
 
 import edgellm
 from edgellm.config import ExportConfig
-from edgellm.quantize import accuracy_bounds
+from edgellm.quantize import GRID_BLOCK, accuracy_bounds, block_grid, quantize
 
 SIZES = dict(max_seq_len=16, max_context_len=32)
 
@@ -121,3 +124,122 @@ def test_linears_a_group_does_not_divide_are_reported_and_named(tiny_models, tmp
     err = capsys.readouterr().err
     assert ("[edgellm] quantize: 13 of 15 linears stay in float: their input width is no multiple "
             "of group_size 128 (model.layers.0.self_attn.q_proj") in err
+
+
+def gguf_weight(shape, kind, seed=0):
+    """A weight as a GGUF of `kind` holds it: gguf's own quantizer, then its dequantizer."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, quants
+
+    x = np.random.default_rng(seed).standard_normal(shape).astype(np.float32) * 0.05 + 0.01
+    kind = GGMLQuantizationType[kind]
+    return torch.from_numpy(quants.dequantize(quants.quantize(x, kind), kind).copy())
+
+
+def effective_weight(module):
+    """What a quantized linear multiplies by: torchao's dequantized weight, plus the per-block
+    offsets of a GridLinear."""
+    if hasattr(module, "offset"):
+        return (module.linear.weight.dequantize()
+                + module.offset.weight.repeat_interleave(GRID_BLOCK, dim=1))
+    return module.weight.dequantize()
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
+def test_gguf_4bit_blocks_are_found_and_rebuilt_exactly(kind):
+    w = gguf_weight((48, 96), kind)
+    codes, offsets = block_grid(w)
+    assert offsets.shape == (48, 3)
+    torch.testing.assert_close(codes + offsets.repeat_interleave(32, dim=1), w, rtol=0, atol=1e-7)
+    blocks = codes.view(48, 3, 32)
+    # symmetric -8..7 through zero, with the step torchao's SYMMETRIC_NO_CLIPPING_ERR chooses
+    step = torch.maximum(-blocks.amin(-1, keepdim=True) / 8, blocks.amax(-1, keepdim=True) / 7)
+    k = blocks / step
+    assert (k - k.round()).abs().max() < 1e-4 and k.min() >= -8 and k.max() <= 7
+    if kind == "Q4_1":
+        assert offsets.abs().min() > 0  # Q4_1's float minimum needs the offsets
+    assert block_grid(gguf_weight((48, 96), "Q8_0")) is None
+    assert block_grid(torch.randn(48, 96)) is None
+    assert block_grid(w[:, :80]) is None  # no whole blocks
+
+
+def test_8da4w_keeps_a_gguf_grid_and_what_the_file_spared():
+    """SmolLM2's GGUF: Q4_1 linears, a Q8_0 embedding the head is tied to. 8da4w defaults to the
+    file's blocks of 32, multiplies by exactly the file's weights, and keeps the Q8_0 tensors at
+    8 bits even where 4 were asked."""
+    from torch import nn
+
+    model = nn.Module()
+    model.embed_tokens = nn.Embedding(100, 64)
+    model.q4_1, model.q4_0, model.lm_head = nn.Linear(64, 96), nn.Linear(64, 96), nn.Linear(64, 100)
+    stored = {"embed_tokens.weight": "Q8_0", "q4_1.weight": "Q4_1", "q4_0.weight": "Q4_0",
+              "lm_head.weight": "Q8_0"}
+    originals = {}
+    for i, name in enumerate(["q4_1", "q4_0", "lm_head"]):
+        kind = stored[f"{name}.weight"]
+        getattr(model, name).weight.data = originals[name] = gguf_weight(
+            getattr(model, name).weight.shape, kind, seed=i)
+    done = quantize(model, ExportConfig(quantize="8da4w", embedding_quantize="4,32"), stored)
+    assert done.report() == {
+        "recipe": "8da4w", "group_size": 32, "linears_quantized": 3, "linears_left_float": [],
+        "embeddings": "8,0 (asked 4,32; the source stores the table as Q8_0)",
+        "linears_on_source_grid": 2, "linears_at_8_bits": ["lm_head"]}
+    for name in ("q4_1", "q4_0"):
+        torch.testing.assert_close(effective_weight(getattr(model, name)), originals[name],
+                                   rtol=0, atol=1e-6)
+    assert model.lm_head.weight.qdata.abs().max() > 8  # 8-bit codes
+    assert model.embed_tokens.weight.qdata.abs().max() > 8
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(model.q4_1(x), x @ originals["q4_1"].T + model.q4_1.linear.bias,
+                               rtol=0.05, atol=0.05)  # only the activations' 8 bits differ
+    assert any("keep the source's 4-bit grid exactly" in line for line in done.notes())
+
+
+def test_without_storage_types_8da4w_requantizes_as_before():
+    from torch import nn
+
+    model = nn.Module()
+    model.proj = nn.Linear(128, 64)
+    model.proj.weight.data = gguf_weight((64, 128), "Q4_1")
+    done = quantize(model, ExportConfig(quantize="8da4w"))
+    assert (done.group_size, done.linears_on_source_grid, done.linears_at_8_bits) == (128, 0, [])
+    assert (effective_weight(model.proj) - model.proj.weight.dequantize()).abs().max() == 0
+
+
+def test_a_gguf_grid_survives_into_the_program(tiny_models, tmp_path, monkeypatch):
+    """The tiny Llama with Q4_1 linears and Q8_0 embedding and head, read as a GGUF would be:
+    the XNNPACK program runs, verify passes, and it is closer to fp32 than the same weights
+    requantized at group 64 (the recipe without the file's grid)."""
+    import safetensors.torch
+
+    import edgellm.sources.hf as hf
+
+    folder = tmp_path / "gridded"
+    shutil.copytree(tiny_models["llama"][0], folder)
+    [weights] = folder.glob("*.safetensors")
+    state = safetensors.torch.load_file(weights)
+    stored = {}
+    for name, tensor in state.items():
+        if tensor.dim() == 2:
+            stored[name] = "Q4_1" if name.endswith("_proj.weight") else "Q8_0"
+            state[name] = gguf_weight(tensor.shape, stored[name], seed=len(stored))
+    safetensors.torch.save_file(state, weights, metadata={"format": "pt"})
+    load = hf.load_hf_folder
+
+    def as_gguf(path):
+        source = load(path)
+        source.stored_types = stored if Path(path) == folder else {}
+        return source
+
+    monkeypatch.setattr(hf, "load_hf_folder", as_gguf)
+    reports = {}
+    for group in (None, 64):
+        reports[group] = edgellm.export(folder, output=tmp_path / f"q{group}", backends="xnnpack",
+                                        quantize="8da4w", group_size=group, quiet=True, **SIZES)
+    q = reports[None]["quantization"]
+    assert (q["group_size"], q["linears_on_source_grid"], q["linears_at_8_bits"]) == \
+        (32, 14, ["lm_head"])
+    assert reports[64]["quantization"]["linears_on_source_grid"] == 0
+    assert reports[None]["verify"]["passed"]
+    kept, requantized = (cost_of(reports[g])[1] for g in (None, 64))
+    assert kept["sqnr_db"] > requantized["sqnr_db"] + 6

@@ -23,6 +23,8 @@ class Source:
     write_tokenizer: Callable[[Path], bool] = field(default=lambda out: False)  # -> written?
     bos_id: int | None = None
     eos_ids: tuple[int, ...] = ()
+    # how the file stored each HF parameter when it was quantized (GGUF: "Q4_1", "Q8_0", "F32")
+    stored_types: dict = field(default_factory=dict)
 
 
 def default_model_path() -> Path:

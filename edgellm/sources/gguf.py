@@ -1,6 +1,7 @@
 """GGUF files, read through transformers' GGUF support (which uses the `gguf` package): weights
-dequantized to float32 under Hugging Face names, the config, and the tokenizer converted to a
-tokenizer.json."""
+dequantized to float32 under Hugging Face names, the config, the tokenizer converted to a
+tokenizer.json, and each weight's GGUF storage type (`Q4_1`, `Q8_0`, ...), which 4-bit recipes
+read to keep the file's own grids and precision choices (quantize.py)."""
 
 from __future__ import annotations
 
@@ -48,6 +49,7 @@ def load_gguf(path: Path) -> Source:
     with torch.device("meta"):  # the skeleton only tells transformers the names to map to
         skeleton = AutoModelForCausalLM.from_config(cfg)
     state = _read(path, return_tensors=True, model_to_load=skeleton)["tensors"]
+    stored = _stored_types(path, meta["config"], skeleton)
     tok = meta.get("tokenizer", {})
 
     def write_tokenizer(out: Path) -> bool:
@@ -63,4 +65,15 @@ def load_gguf(path: Path) -> Source:
     eos = tok.get("eos_token_id", getattr(cfg, "eos_token_id", None))
     return Source(hf_config=cfg, state_dict=state, origin=str(path),
                   write_tokenizer=write_tokenizer, bos_id=tok.get("bos_token_id"),
-                  eos_ids=() if eos is None else (int(eos),))
+                  eos_ids=() if eos is None else (int(eos),), stored_types=stored)
+
+
+def _stored_types(path: Path, config: dict, skeleton) -> dict:
+    """HF parameter name -> GGUF tensor type name, through transformers' own name mapping."""
+    import gguf
+    from transformers.modeling_gguf_pytorch_utils import (TensorProcessor,
+                                                          get_gguf_hf_weights_map)
+
+    names = get_gguf_hf_weights_map(skeleton, TensorProcessor(config=config))
+    return {names[t.name]: t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors
+            if t.name in names}
