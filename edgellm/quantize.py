@@ -54,9 +54,9 @@ WRONG_ON_XNNPACK = ("ExecuTorch 1.5.1's XNNPACK delegate takes torchao weight-on
                     "multiplies by the unscaled integers (wrong logits, no error)")
 NO_KERNELS = {("4w", "xnnpack"): f"{WRONG_ON_XNNPACK}; use 8da4w on xnnpack",
               ("8w", "xnnpack"): f"{WRONG_ON_XNNPACK}; use 8da8w on xnnpack"}
-HQQ = "hqq_scale_only"
+HQQ = "hqq_scale_only"  # every recipe's scale search, as export_llm's (its `use_hqq: true`)
 GRID_BLOCK = 32  # GGUF's Q4_0 and Q4_1 blocks
-GRID_TYPES = ("Q4_0", "Q4_1")  # every recipe's scale search, as export_llm's (its `use_hqq: true`)
+GRID_TYPES = ("Q4_0", "Q4_1")
 EMBEDDING_BACKENDS = ("xnnpack", "portable", "coreml")
 EMBEDDING_DEFAULT_GROUP = {8: 0, 4: 32}
 # bounds of an embedding recipe alone, and the margin a combined recipe loses

@@ -243,3 +243,20 @@ def test_a_gguf_grid_survives_into_the_program(tiny_models, tmp_path, monkeypatc
     assert reports[None]["verify"]["passed"]
     kept, requantized = (cost_of(reports[g])[1] for g in (None, 64))
     assert kept["sqnr_db"] > requantized["sqnr_db"] + 6
+
+
+def test_a_grid_through_zero_stays_one_linear():
+    """Q4_0 blocks whose largest magnitude is negative need no offsets: the linear is quantized
+    in place, exactly, with no GridLinear around it."""
+    from torch import nn
+
+    model = nn.Module()
+    model.proj = nn.Linear(64, 16)
+    steps = torch.rand(16, 2, 1, generator=torch.Generator().manual_seed(0)) * 0.01 + 0.001
+    codes = torch.randint(-8, 8, (16, 2, 32), generator=torch.Generator().manual_seed(1)).float()
+    codes[..., 0] = -8
+    weight = (steps * codes).view(16, 64)
+    model.proj.weight.data = weight.clone()
+    done = quantize(model, ExportConfig(quantize="8da4w"), {"proj.weight": "Q4_0"})
+    assert type(model.proj) is nn.Linear and done.linears_on_source_grid == 1
+    torch.testing.assert_close(model.proj.weight.dequantize(), weight, rtol=0, atol=1e-7)
