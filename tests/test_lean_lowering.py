@@ -1,0 +1,137 @@
+"""XNNPACK lowering that shares the weights (backends/xnnpack_lean.py): the same model.pte as
+ExecuTorch's own copying lowering, a program that verifies, and weights written from the tensors
+themselves; the copy hook shares only weights that own their storage."""
+
+import copy
+import io
+
+import pytest
+import torch
+
+import edgellm
+from edgellm.backends import xnnpack
+from edgellm.errors import InputError
+
+SIZES = dict(max_seq_len=16, max_context_len=32)
+
+
+@pytest.fixture
+def lean():
+    """The workaround module; skips where the guard leaves ExecuTorch alone (not 1.5)."""
+    from executorch.version import __version__
+
+    if not __version__.startswith("1.5."):
+        pytest.skip(f"the workarounds apply to ExecuTorch 1.5 only, not {__version__}")
+    from edgellm.backends import xnnpack_lean
+
+    return xnnpack_lean
+
+
+@pytest.fixture
+def written_from_tensors(lean, monkeypatch):
+    """Sizes of the named-data buffers written into a .pte straight from tensor memory."""
+    sizes = []
+    upstream = lean.TensorBackedData.write_to_file
+
+    def counting(self, outfile):
+        sizes.append(len(self))
+        upstream(self, outfile)
+
+    monkeypatch.setattr(lean.TensorBackedData, "write_to_file", counting)
+    return sizes
+
+
+@pytest.mark.parametrize("arch, options", [
+    ("lfm2", {}), ("llama", {}), ("lfm2", {"quantize": "8da4w", "group_size": 32}),
+    ("lfm2", {"embedding_quantize": "4,32"})])
+def test_lean_lowering_gives_the_upstream_bytes_and_verifies(tiny_models, tmp_path, monkeypatch,
+                                                             written_from_tensors, arch, options):
+    folder, hf = tiny_models[arch]
+    monkeypatch.setenv(xnnpack.UPSTREAM_COPIES, "1")
+    edgellm.export(folder, output=tmp_path / "upstream", backends="xnnpack", verify=False,
+                   quiet=True, **SIZES, **options)
+    assert written_from_tensors == []  # ExecuTorch's own lowering keeps bytes
+    monkeypatch.delenv(xnnpack.UPSTREAM_COPIES)
+    report = edgellm.export(folder, output=tmp_path / "lean", backends="xnnpack", quiet=True,
+                            **SIZES, **options)
+    assert report["verify"]["passed"]
+    upstream, ours = ((tmp_path / n / "model.pte").read_bytes() for n in ("upstream", "lean"))
+    assert len(ours) > 10_000 and ours == upstream
+    assert written_from_tensors  # the workaround applied
+    if not options.get("quantize"):  # 8da4w's weights are repacked to 4 bits, so they stay bytes
+        embed = hf.get_input_embeddings().weight  # outside the delegate
+        linears = sum(p.nbytes for p in hf.parameters() if p.dim() == 2 and p is not embed)
+        assert sum(written_from_tensors) >= linears  # every linear's weight, none as bytes
+
+
+def test_the_copy_shares_only_weights_that_own_their_storage(lean):
+    """A chunk of a fused weight (LFM2's in_proj) shares a storage three times its size: XNNPACK
+    would serialize all of it, so such a view is copied (compact) and a whole tensor shared."""
+    from executorch.backends.xnnpack.xnnpack_preprocess import XnnpackBackend
+
+    class Two(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            fused = torch.randn(12, 4)
+            self.whole = torch.nn.Parameter(torch.randn(4, 4))
+            self.first = torch.nn.Parameter(fused.chunk(3)[0])  # offset 0, storage 3x
+            self.middle = torch.nn.Parameter(fused.chunk(3)[1])  # offset 16
+
+        def forward(self, x):
+            return x @ self.whole + x @ self.first + x @ self.middle
+
+    ep = torch.export.export(Two(), (torch.randn(2, 4),))
+    lean.install()
+    twin = XnnpackBackend.copy_exported_program_for_preprocess(ep, [])
+    assert twin.state_dict["whole"] is ep.state_dict["whole"]
+    for name in ("first", "middle"):
+        copied = twin.state_dict[name]
+        assert copied is not ep.state_dict[name] and torch.equal(copied, ep.state_dict[name])
+        assert copied.storage_offset() == 0 and copied.untyped_storage().nbytes() == 64
+    assert twin.graph_module is not ep.graph_module
+
+
+def test_tensor_backed_data_passes_through_the_store_and_the_cord(lean):
+    from executorch.exir._serialize._cord import Cord
+    from executorch.exir._serialize._named_data_store import NamedDataStore
+
+    weight = torch.randn(8, 16)
+    blob = bytes(weight.untyped_storage())
+    buffers = [blob]
+    assert lean.back_with_weights(buffers, [weight[:4], torch.randn(8, 16), weight]) == 1
+    backed = buffers[0]
+    assert isinstance(backed, lean.TensorBackedData) and copy.deepcopy(backed) is backed
+    assert len(backed) == len(blob) and backed.prefix(32) == blob[:32] and backed.equals(blob)
+    one, other = NamedDataStore(), NamedDataStore()
+    one.add_named_data("w", backed, alignment=16)
+    other.add_named_data("w_again", blob, alignment=16)
+    other.merge_named_data_store(one.get_named_data_store_output())  # dedup by sha256
+    assert len(other.buffers) == 1 and other.key_to_buffer_idx == {"w_again": 0, "w": 0}
+    out = io.BytesIO()
+    Cord(backed).write_to_file(out)
+    assert out.getvalue() == blob == backed.to_bytes()
+
+
+def test_partitioners_install_the_workaround_and_the_variable_removes_it(lean, monkeypatch):
+    monkeypatch.setenv(xnnpack.UPSTREAM_COPIES, "1")
+    xnnpack._partitioners(None)
+    assert not lean.installed()
+    monkeypatch.delenv(xnnpack.UPSTREAM_COPIES)
+    xnnpack._partitioners(None)
+    xnnpack._partitioners(None)  # idempotent: wrapped once
+    assert lean.installed()
+    monkeypatch.setenv(xnnpack.UPSTREAM_COPIES, "yes")
+    with pytest.raises(InputError, match="EDGELLM_UPSTREAM_COPIES='yes' is not understood. "
+                                         r"Allowed: 0 .* or 1"):
+        xnnpack._partitioners(None)
+
+
+def test_other_executorch_versions_lower_as_executorch_does(lean, monkeypatch):
+    import executorch.version
+
+    monkeypatch.setenv(xnnpack.UPSTREAM_COPIES, "1")
+    xnnpack._partitioners(None)
+    monkeypatch.delenv(xnnpack.UPSTREAM_COPIES)
+    monkeypatch.setattr(executorch.version, "__version__", "1.6.0")
+    xnnpack._partitioners(None)
+    assert not lean.installed()
