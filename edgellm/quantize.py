@@ -197,6 +197,7 @@ class Quantized:
     linears_left_float: list = field(default_factory=list)  # inputs the group does not divide
     linears_on_source_grid: int = 0  # 4-bit grids kept exactly (GGUF Q4_0 / Q4_1)
     linears_at_8_bits: list = field(default_factory=list)  # the source stores them above 4 bits
+    embeddings_stored_as: str | None = None  # the source's type that kept the table at 8 bits
 
     def report(self) -> dict:
         return {k: v for k, v in asdict(self).items() if k != "bytes_saved"}
@@ -212,8 +213,9 @@ class Quantized:
         if self.linears_on_source_grid:
             out.append(f"[edgellm] quantize: {self.linears_on_source_grid} linears keep the "
                        f"source's 4-bit grid exactly (blocks of {self.group_size})")
-        if self.embeddings and "asked" in self.embeddings:
-            out.append(f"[edgellm] quantize: embeddings {self.embeddings}")
+        if self.embeddings_stored_as:
+            out.append(f"[edgellm] quantize: embeddings in 8 bits ({self.embeddings}): the "
+                       f"source stores the table as {self.embeddings_stored_as}")
         if self.linears_at_8_bits:
             eight = self.linears_at_8_bits
             out.append(f"[edgellm] quantize: {len(eight)} linears get 8-bit weights: the source "
@@ -269,8 +271,7 @@ def _quantize_embeddings(model, cfg, types: dict, four_bit: bool, done: Quantize
     bits, group = parse_embedding(cfg.embedding_quantize)
     if bits == 4 and four_bit and (stored_bits(types.get("embedding")) or 0) > 4:
         bits, group = 8, 0  # the source spared its table: 8 bits per row
-        done.embeddings = (f"8,0 (asked {cfg.embedding_quantize}; the source stores the table "
-                           f"as {types['embedding']})")
+        done.embeddings, done.embeddings_stored_as = "8,0", types["embedding"]
     tables = []
 
     def embedding_fits(module, fqn):
