@@ -99,8 +99,8 @@ def _preprocess_from_weights(edge_program, compile_specs):
     weights = compact_weights(edge_program)  # before passes swap state_dict entries
     result = _UPSTREAM_PREPROCESS.__func__(edge_program, compile_specs)
     if result.data_store_output is not None:
-        back_with_weights(result.data_store_output.buffers,
-                          weights + compact_weights(edge_program))
+        after = {id(t): t for t in [*weights, *compact_weights(edge_program)]}  # each once
+        back_with_weights(result.data_store_output.buffers, list(after.values()))
     return result
 
 
