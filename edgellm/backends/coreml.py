@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import VerificationError
-from . import Backend
+from . import Backend, upstream_copies
 
 COMPUTE_UNITS = ("cpu_only", "cpu_and_gpu", "cpu_and_ne", "all")
 PRECISIONS = ("fp16", "fp32")
@@ -74,8 +74,29 @@ def compile_specs(options: CoreMLOptions) -> list:
 def _partitioners(options: CoreMLOptions) -> list:
     from executorch.backends.apple.coreml.partition import CoreMLPartitioner
 
+    _lean_lowering()
     return [CoreMLPartitioner(compile_specs=compile_specs(options),
                               take_over_mutable_buffer=options.state == "coreml")]
+
+
+def _lean_lowering() -> None:
+    """Install (or, with EDGELLM_UPSTREAM_COPIES=1, remove) the workarounds in coreml_lean.py,
+    which save a copy of the weights and coremltools' temporaries while lowering (LFM2.5-350M fp32
+    lower stage: 6.8 -> 4.6 GB... see docs/design.md) and give the same .pte. They patch
+    ExecuTorch 1.5's and coremltools 9's internals, so other versions lower as those do. Called
+    each time partitioners are made; idempotent."""
+    import coremltools
+    from executorch.version import __version__
+
+    upstream = upstream_copies()
+    if not (__version__.startswith("1.5.") and coremltools.__version__.startswith("9.")):
+        return
+    from . import coreml_lean
+
+    if upstream:
+        coreml_lean.restore()
+    else:
+        coreml_lean.install()
 
 
 # --- What the program ships: each Core ML payload, described and checked against the policy ----
@@ -105,31 +126,45 @@ def describe_payloads(pte: Path) -> list[dict]:
 
 
 def _payloads(pte: Path):
-    """(method, delegate index, compile specs, mlpackage path) for every Core ML delegate."""
+    """(method, delegate index, compile specs, mlpackage path) for every Core ML delegate. Only
+    the program's flatbuffer and the Core ML payloads are read from the file: deserializing the
+    whole program would hold every segment in memory twice."""
     import tempfile
 
     from executorch.backends.apple.coreml import executorchcoreml
-    from executorch.exir._serialize._program import deserialize_pte_binary
+    from executorch.exir._serialize._program import (_flatbuffer_to_program,
+                                                      _get_extended_header)
+    from executorch.exir.schema import DataLocation
 
-    pte_file = deserialize_pte_binary(pte.read_bytes())
-    program, named = pte_file.program, {}
-    if pte_file.named_data is not None:
-        named = {k: pte_file.named_data.buffers[e.buffer_index]
-                 for k, e in pte_file.named_data.pte_data.items()}
-    with tempfile.TemporaryDirectory(prefix="edgellm-coreml-") as tmp:
-        for plan in program.execution_plan:
-            for index, delegate in enumerate(plan.delegates):
-                if delegate.id != "CoreMLBackend":
-                    continue
-                data = program.backend_delegate_data[delegate.processed.index].data
-                if data.startswith(b"CMJR"):  # multifunction: a reference into the named data
-                    data = named[json.loads(data[4:])["key"]]
-                folder = Path(tmp) / f"{plan.name}-{index}"
-                folder.mkdir()
-                if not executorchcoreml.unflatten_directory_contents(data, str(folder)):
-                    raise VerificationError(f"Could not unpack Core ML delegate {index} of "
-                                            f"method {plan.name}")
-                yield plan.name, index, delegate.compile_specs, next(folder.rglob("*.mlpackage"))
+    with open(pte, "rb") as f:
+        header = _get_extended_header(f.read(64))
+        f.seek(0)
+        program = _flatbuffer_to_program(f.read(header.program_size) if header else f.read())
+        base = header.segment_base_offset if header else 0
+
+        def segment(i: int) -> bytes:
+            f.seek(base + program.segments[i].offset)
+            return f.read(program.segments[i].size)
+
+        named = {e.key: e.segment_index for e in program.named_data or ()}
+        with tempfile.TemporaryDirectory(prefix="edgellm-coreml-") as tmp:
+            for plan in program.execution_plan:
+                for index, delegate in enumerate(plan.delegates):
+                    if delegate.id != "CoreMLBackend":
+                        continue
+                    ref = delegate.processed
+                    payload = (segment(ref.index) if ref.location == DataLocation.SEGMENT
+                               else program.backend_delegate_data[ref.index].data)
+                    if payload.startswith(b"CMJR"):  # multifunction: a reference into named data
+                        payload = segment(named[json.loads(payload[4:])["key"]])
+                    folder = Path(tmp) / f"{plan.name}-{index}"
+                    folder.mkdir()
+                    unpacked = executorchcoreml.unflatten_directory_contents(payload, str(folder))
+                    del payload
+                    if not unpacked:
+                        raise VerificationError(f"Could not unpack Core ML delegate {index} of "
+                                                f"method {plan.name}")
+                    yield plan.name, index, delegate.compile_specs, next(folder.rglob("*.mlpackage"))
 
 
 def _compile_settings(specs) -> dict:
@@ -275,13 +310,23 @@ def _scan(pte: Path, chunk: int) -> tuple[set[int], list[int]]:
         base, tail = 0, b""
         while block := f.read(chunk):
             data, start = tail + block, base - len(tail)
-            found.update(start + m.start() for m in UUID.finditer(data))
+            found.update(start + at for at in _uuids(data))
             at = data.find(MANIFEST)
             while at != -1:
                 manifests.add(start + at)
                 at = data.find(MANIFEST, at + 1)
             tail, base = data[-len(MANIFEST):], base + len(block)
     return found, sorted(manifests)
+
+
+def _uuids(data: bytes):
+    """Offsets of the uuid4s in `data`. A regex scan tries every byte of the weights (7 s for
+    700 MB); every uuid4 has "-4" at offset 13, which `find` skips to at memory speed."""
+    at = data.find(b"-4", 13)
+    while at != -1:
+        if UUID.match(data, at - 13):
+            yield at - 13
+        at = data.find(b"-4", at + 1)
 
 
 BACKEND = Backend(
