@@ -9,6 +9,7 @@ written (it receives the graph first), and shapes are static if any backend need
 from __future__ import annotations
 
 import importlib.util
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -51,6 +52,21 @@ class Backend:
                 f"Backend '{self.name}' needs {', '.join(missing)}, which is not installed. "
                 f"Install it (pip install {' '.join(missing)}) or choose another backend; "
                 "`edgellm models` lists them.")
+
+
+UPSTREAM_COPIES = "EDGELLM_UPSTREAM_COPIES"
+
+
+def upstream_copies() -> bool:
+    """True when EDGELLM_UPSTREAM_COPIES=1 asks to lower exactly as ExecuTorch and coremltools
+    do, without the workarounds in xnnpack_lean.py and coreml_lean.py (to compare; the programs
+    are the same)."""
+    value = os.environ.get(UPSTREAM_COPIES, "0")
+    if value not in ("0", "1"):
+        raise InputError(f"{UPSTREAM_COPIES}={value!r} is not understood. Allowed: 0 (share the "
+                         "weights while lowering, the default) or 1 (copy them as ExecuTorch "
+                         "does). Unset it or set one of those.")
+    return value == "1"
 
 
 def _registry() -> dict[str, Backend]:

@@ -1,0 +1,130 @@
+"""Core ML lowering without a copy of the weights (backends/coreml_lean.py): the same model.pte as
+ExecuTorch's and coremltools' own lowering, an fp16 range check that answers as coremltools' does,
+and checkpoint pages dropped from memory without changing a weight."""
+
+import numpy as np
+import pytest
+import torch
+
+import edgellm
+from edgellm import progress
+from edgellm.backends import UPSTREAM_COPIES, coreml
+
+SIZES = dict(max_seq_len=16, max_context_len=32)
+
+
+@pytest.fixture
+def lean():
+    """The workaround module; skips where the guard leaves ExecuTorch and coremltools alone."""
+    import coremltools
+    from executorch.version import __version__
+
+    if not (__version__.startswith("1.5.") and coremltools.__version__.startswith("9.")):
+        pytest.skip("the workarounds apply to ExecuTorch 1.5 with coremltools 9 only")
+    from edgellm.backends import coreml_lean
+
+    return coreml_lean
+
+
+@pytest.mark.parametrize("arch, options", [("lfm2", {}), ("llama", {"prefill_chunk": 4}),
+                                           ("llama", {"quantize": "4w"})])
+def test_lean_core_ml_lowering_gives_the_upstream_bytes(tiny_models, tmp_path, monkeypatch, lean,
+                                                        arch, options):
+    """One process (coremltools' protobuf maps are written in a per-process order), upstream
+    first, then edgellm's; each run's delegate lint opened the payload."""
+    folder, _ = tiny_models[arch]
+    calls = []
+    monkeypatch.setattr(lean, "exceeds_fp16", lambda v, _up=lean.exceeds_fp16: calls.append(1)
+                        or _up(v))
+    monkeypatch.setenv(UPSTREAM_COPIES, "1")
+    edgellm.export(folder, output=tmp_path / "upstream", backends="coreml", verify=False,
+                   quiet=True, **SIZES, **options)
+    assert not lean.installed() and calls == []
+    monkeypatch.delenv(UPSTREAM_COPIES)
+    edgellm.export(folder, output=tmp_path / "lean", backends="coreml", verify=False,
+                   quiet=True, **SIZES, **options)
+    assert lean.installed() and calls  # coremltools asked edgellm's check
+    upstream, ours = ((tmp_path / n / "model.pte").read_bytes() for n in ("upstream", "lean"))
+    assert len(ours) > 10_000 and ours == upstream
+
+
+@pytest.mark.parametrize("values", [
+    np.float32(3.0), np.float32(70000.0), np.array([1e38, -np.inf, np.nan, 2.0], np.float32),
+    np.array([[1.0, -65504.0], [0.5, 65504.0]], np.float32),
+    np.array([[1.0, -65505.0]], np.float32), np.array([np.inf, 1e39], np.float32),
+    np.concatenate([np.zeros(3 << 20, np.float32), [7e4]]),  # past the first chunks
+    np.zeros((0, 4), np.float32)])
+def test_fp16_range_check_answers_as_coremltools_does(lean, values):
+    value = np.expand_dims(values, 0)  # coremltools 9.0's own test, verbatim
+    abs_value = np.abs(value)
+    upstream = np.max(abs_value[np.where(abs_value < 1e38)], initial=0.0) > 65504
+    assert lean.exceeds_fp16(values) == upstream
+
+
+def test_the_copy_shares_every_weight_views_included(lean):
+    from executorch.backends.apple.coreml.compiler import CoreMLBackend
+
+    class Two(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.whole = torch.nn.Parameter(torch.randn(4, 4))
+            self.view = torch.nn.Parameter(torch.randn(12, 4).chunk(3)[1])
+
+        def forward(self, x):
+            return x @ self.whole + x @ self.view
+
+    ep = torch.export.export(Two(), (torch.randn(2, 4),))
+    lean.install()
+    twin = CoreMLBackend.copy_exported_program_for_preprocess(ep, [])
+    assert all(twin.state_dict[k] is ep.state_dict[k] for k in ("whole", "view"))
+    assert twin.graph_module is not ep.graph_module
+
+
+def test_partitioners_install_the_workarounds_for_these_versions_only(lean, monkeypatch):
+    import executorch.version
+
+    monkeypatch.setenv(UPSTREAM_COPIES, "1")
+    coreml._partitioners(coreml.CoreMLOptions())
+    assert not lean.installed()
+    monkeypatch.delenv(UPSTREAM_COPIES)
+    coreml._partitioners(coreml.CoreMLOptions())
+    assert lean.installed()
+    monkeypatch.setenv(UPSTREAM_COPIES, "1")
+    coreml._partitioners(coreml.CoreMLOptions())
+    monkeypatch.delenv(UPSTREAM_COPIES)
+    monkeypatch.setattr(executorch.version, "__version__", "1.6.0")
+    coreml._partitioners(coreml.CoreMLOptions())
+    assert not lean.installed()
+
+
+def resident_kb(path) -> int:
+    """Rss of this process's mappings of `path`."""
+    total, inside = 0, False
+    for line in open("/proc/self/smaps"):
+        fields = line.split()
+        if "-" in fields[0] and not fields[0].endswith(":"):
+            inside = len(fields) > 5 and fields[5] == str(path)
+        elif inside and fields[0] == "Rss:":
+            total += int(fields[1])
+    return total
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/smaps"), reason="Linux only")
+def test_checkpoint_pages_are_dropped_unless_written(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    weights = {"a": torch.randn(512, 1024), "b": torch.randn(256, 1024)}
+    read, written = tmp_path / "read.safetensors", tmp_path / "written.safetensors"
+    save_file(weights, read)
+    save_file(weights, written)
+    mapped = load_file(read)
+    other = load_file(written)
+    other["b"][0, 0] = 1.0  # a private mapping's written page: dropping it would lose the write
+    assert float(sum(t.sum() for t in [*mapped.values(), *other.values()])) != 0  # every page
+    before = resident_kb(read.resolve())
+    assert before >= 3 * 1024
+    assert progress.drop_mapped_pages([read, written]) * 1024 >= before - 1024
+    assert resident_kb(read.resolve()) < 64 and resident_kb(written.resolve()) >= 3 * 1024
+    assert all(torch.equal(mapped[k], weights[k]) for k in weights)  # faulted back in
+    assert other["b"][0, 0] == 1.0
+    assert progress.drop_mapped_pages([]) == 0
