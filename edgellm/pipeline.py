@@ -117,6 +117,7 @@ def export(cfg: ExportConfig, quiet: bool = False) -> dict:
             model = build_model(source.hf_config, source.state_dict, opts,
                                 TORCH_DTYPES[cfg.dtype])
             source.state_dict = {}  # the model holds the tensors now
+        release_memory()  # pages of checkpoint weights the build replaced
         weights_per_token, done = weight_bytes(model), None
         if cfg.quantize or cfg.embedding_quantize:
             with stages.stage("quantize"):
@@ -124,6 +125,7 @@ def export(cfg: ExportConfig, quiet: bool = False) -> dict:
 
                 done = quantize(model, cfg, source.stored_types)
                 weights_per_token -= done.bytes_saved
+            release_memory()  # and those quantization replaced
             for line in [] if quiet else done.notes():
                 print(line, file=sys.stderr, flush=True)
         with stages.stage("export"):
@@ -139,6 +141,8 @@ def export(cfg: ExportConfig, quiet: bool = False) -> dict:
             del programs
         with stages.stage("serialize"):
             files = write_outputs(tmp, cfg, source, lowered)
+            del lowered.program  # written: what follows reads the file and needs the memory
+            release_memory()
             for backend in plan.backends:
                 if backend.finish_program:
                     backend.finish_program(tmp / "model.pte")
@@ -147,7 +151,6 @@ def export(cfg: ExportConfig, quiet: bool = False) -> dict:
             with stages.stage("inspect"):
                 delegates = inspect_delegates(plan, tmp / "model.pte", lowered.states)
         pte_bytes = (tmp / "model.pte").stat().st_size
-        del lowered.program  # serialized; verification below needs the memory
         rep = build_report(cfg, plan, source, lowered, stages, (files, pte_bytes))
         rep["delegates"], rep["weight_bytes_per_token"] = delegates, weights_per_token
         if done:

@@ -333,6 +333,7 @@ def quantize(model, cfg, stored: dict | None = None) -> Quantized:
 
     from .architectures.layers import GridLinear
     from .errors import InputError
+    from .progress import drop_checkpoint_pages
 
     types = source_types(model, stored or {})
     linear_types = [t for n, t in types.items() if n != "embedding"]
@@ -365,6 +366,7 @@ def quantize(model, cfg, stored: dict | None = None) -> Quantized:
                 return False
             saved.append(module.weight.numel() * module.weight.element_size()
                          - _packed(module.weight, bits, g))
+            drop_checkpoint_pages()  # those of the linears quantized before this one
             if higher:
                 done.linears_at_8_bits.append(fqn)
             return True

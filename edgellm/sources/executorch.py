@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from ..errors import InputError
+from ..progress import note_mapped
 from . import Source
 
 # ExecuTorch's ModelType (extension/llm/export/config/llm_config.py) -> edgellm architecture
@@ -252,6 +253,7 @@ def _read_checkpoint(path: Path) -> dict:
         raise InputError(f"ExecuTorch checkpoint {path} does not exist.")
     try:
         obj = torch.load(path, weights_only=True, mmap=True, map_location="cpu")
+        note_mapped([path])
     except pickle.UnpicklingError as e:  # what weights_only raises on anything but tensors
         found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
         raise InputError(f"{path} holds pickled objects that are not tensors"

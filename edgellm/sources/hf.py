@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 from ..errors import InputError
+from ..progress import note_mapped
 from . import Source
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -67,7 +68,8 @@ def read_safetensors(files: list[Path]) -> dict:
     state = {}
     for f in files:
         try:
-            state.update(load_file(str(f)))
+            state.update(load_file(str(f)))  # memory-mapped
+            note_mapped([f])
         except Exception as e:  # safetensors raises its own error types for corrupt files
             raise InputError(f"{f} is not a readable safetensors file ({e}). It may be "
                              "truncated: download or save it again.") from None
