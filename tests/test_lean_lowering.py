@@ -135,3 +135,17 @@ def test_other_executorch_versions_lower_as_executorch_does(lean, monkeypatch):
     monkeypatch.setattr(executorch.version, "__version__", "1.6.0")
     xnnpack._partitioners(None)
     assert not lean.installed()
+
+
+def test_the_partitioner_answers_without_a_check_only_when_every_node_passes(lean):
+    """XNNPACK's check accepts an fp32 linear and rejects an fp64 one: with every node accepted
+    ExecuTorch gets no check function (one decomposition instead of three), otherwise its own."""
+    def answer(dtype):
+        model = torch.nn.Sequential(torch.nn.Linear(8, 4)).to(dtype)
+        ep = torch.export.export(model, (torch.randn(2, 8, dtype=dtype),)).run_decompositions({})
+        return xnnpack._partitioners(None)[0].ops_to_not_decompose(ep)
+
+    ops, check = answer(torch.float32)
+    assert check is None and torch.ops.aten.linear.default in ops
+    ops, check = answer(torch.float64)
+    assert check is not None and torch.ops.aten.linear.default in ops
