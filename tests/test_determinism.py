@@ -37,3 +37,18 @@ def test_core_ml_programs_are_repeatable_and_named_by_their_content(tiny_models,
     # the payloads still open: the export's own lint read every one (both methods, one
     # multifunction package whose named-data key carries the identifier)
     assert [d["method"] for d in reports["a"]["delegates"]["coreml"]] == ["forward", "prefill"]
+
+
+@pytest.mark.parametrize("arch, extra", [("lfm2", []), ("llama", ["--prefill-chunk", "4"])])
+def test_core_ml_programs_are_the_same_from_two_processes(tiny_models, tmp_path, arch, extra):
+    """coremltools writes the spec's protobuf maps in an order that changes between processes
+    (not between exports in one): edgellm rewrites each spec in canonical order."""
+    import subprocess
+    import sys
+
+    for name in ("a", "b"):
+        subprocess.run([sys.executable, "-m", "edgellm.cli", "export", str(tiny_models[arch][0]),
+                        "-o", str(tmp_path / name), "--backend", "coreml", "--max-seq-len", "16",
+                        "--no-verify", "--quiet", *extra], check=True, capture_output=True)
+    first, second = ((tmp_path / n / "model.pte").read_bytes() for n in "ab")
+    assert len(first) > 10_000 and first == second

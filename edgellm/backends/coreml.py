@@ -125,13 +125,11 @@ def describe_payloads(pte: Path) -> list[dict]:
              **_describe(package, method)} for method, index, specs, package in _payloads(pte)]
 
 
-def _payloads(pte: Path):
-    """(method, delegate index, compile specs, mlpackage path) for every Core ML delegate. Only
-    the program's flatbuffer and the Core ML payloads are read from the file: deserializing the
-    whole program would hold every segment in memory twice."""
-    import tempfile
-
-    from executorch.backends.apple.coreml import executorchcoreml
+def _regions(pte: Path) -> list[tuple[str, int, list, tuple[int, int] | bytes]]:
+    """(method, delegate index, compile specs, payload) for every Core ML delegate, the payload
+    as (file offset, size) when it lies in a segment (ExecuTorch's default), else its bytes. A
+    multifunction delegate's reference into the named data is followed. Only the program's
+    flatbuffer is read: deserializing the whole program would hold every segment twice."""
     from executorch.exir._serialize._program import (_flatbuffer_to_program,
                                                       _get_extended_header)
     from executorch.exir.schema import DataLocation
@@ -142,29 +140,94 @@ def _payloads(pte: Path):
         program = _flatbuffer_to_program(f.read(header.program_size) if header else f.read())
         base = header.segment_base_offset if header else 0
 
-        def segment(i: int) -> bytes:
-            f.seek(base + program.segments[i].offset)
-            return f.read(program.segments[i].size)
+        def segment(i: int) -> tuple[int, int]:
+            return base + program.segments[i].offset, program.segments[i].size
 
         named = {e.key: e.segment_index for e in program.named_data or ()}
-        with tempfile.TemporaryDirectory(prefix="edgellm-coreml-") as tmp:
-            for plan in program.execution_plan:
-                for index, delegate in enumerate(plan.delegates):
-                    if delegate.id != "CoreMLBackend":
-                        continue
-                    ref = delegate.processed
-                    payload = (segment(ref.index) if ref.location == DataLocation.SEGMENT
-                               else program.backend_delegate_data[ref.index].data)
-                    if payload.startswith(b"CMJR"):  # multifunction: a reference into named data
-                        payload = segment(named[json.loads(payload[4:])["key"]])
-                    folder = Path(tmp) / f"{plan.name}-{index}"
-                    folder.mkdir()
-                    unpacked = executorchcoreml.unflatten_directory_contents(payload, str(folder))
-                    del payload
-                    if not unpacked:
-                        raise VerificationError(f"Could not unpack Core ML delegate {index} of "
-                                                f"method {plan.name}")
-                    yield plan.name, index, delegate.compile_specs, next(folder.rglob("*.mlpackage"))
+        out = []
+        for plan in program.execution_plan:
+            for index, delegate in enumerate(plan.delegates):
+                if delegate.id != "CoreMLBackend":
+                    continue
+                ref = delegate.processed
+                payload = (segment(ref.index) if ref.location == DataLocation.SEGMENT
+                           else program.backend_delegate_data[ref.index].data)
+                head = _read(f, payload, 4) if isinstance(payload, tuple) else payload[:4]
+                if head == b"CMJR":  # multifunction: a reference into the named data
+                    reference = _read(f, payload) if isinstance(payload, tuple) else payload
+                    payload = segment(named[json.loads(reference[4:])["key"]])
+                out.append((plan.name, index, delegate.compile_specs, payload))
+    return out
+
+
+def _read(f, region: tuple[int, int], size: int | None = None) -> bytes:
+    f.seek(region[0])
+    return f.read(region[1] if size is None else min(size, region[1]))
+
+
+def _payloads(pte: Path):
+    """(method, delegate index, compile specs, mlpackage path) for every Core ML delegate, each
+    payload unpacked into a temporary folder while the caller looks at it."""
+    import tempfile
+
+    from executorch.backends.apple.coreml import executorchcoreml
+
+    with open(pte, "rb") as f, tempfile.TemporaryDirectory(prefix="edgellm-coreml-") as tmp:
+        for method, index, specs, payload in _regions(pte):
+            if isinstance(payload, tuple):
+                payload = _read(f, payload)
+            folder = Path(tmp) / f"{method}-{index}"
+            folder.mkdir()
+            unpacked = executorchcoreml.unflatten_directory_contents(payload, str(folder))
+            del payload
+            if not unpacked:
+                raise VerificationError(f"Could not unpack Core ML delegate {index} of "
+                                        f"method {method}")
+            yield method, index, specs, next(folder.rglob("*.mlpackage"))
+
+
+def canonical_specs(pte: Path) -> int:
+    """Rewrite, in place, each Core ML payload's model.mlmodel with protobuf's deterministic
+    serialization (map entries sorted by key): coremltools writes the spec's maps (metadata,
+    every op's inputs and attributes) in an order that changes from process to process. Same
+    content, same length. The file is found through the index `flatten_directory_contents`
+    appends to the payload (JSON, reversed); a payload without one is left alone. Returns how
+    many specs were rewritten."""
+    from coremltools.proto import Model_pb2
+
+    rewritten = 0
+    with open(pte, "r+b") as f:
+        done = set()
+        for *_, payload in _regions(pte):
+            if not isinstance(payload, tuple) or payload in done:
+                continue
+            done.add(payload)
+            start, size = payload
+            tail = _read(f, (start + size - min(size, 1 << 20), min(size, 1 << 20)))
+            try:
+                index, _ = json.JSONDecoder().raw_decode(tail[::-1].decode("utf-8", "replace"))
+                files = [n["dataRegion"] for n in index["nodes"]
+                         if n["kind"] == 0 and n["name"].endswith(".mlmodel")]
+            except (ValueError, KeyError, TypeError):
+                continue
+            for region in files:
+                at = (start + region["offset"], region["size"])
+                data = _read(f, at)
+                spec = Model_pb2.Model()
+                spec.ParseFromString(data)
+                canonical = spec.SerializeToString(deterministic=True)
+                if canonical != data and len(canonical) == len(data):
+                    f.seek(at[0])
+                    f.write(canonical)
+                    rewritten += 1
+    return rewritten
+
+
+def finish_program(pte: Path) -> dict[str, str]:
+    """Make a written Core ML program's bytes a function of its content: canonical specs, then
+    content-derived identifiers. Returns the identifiers replaced, {old: new}."""
+    canonical_specs(pte)
+    return repeatable_identifiers(pte)
 
 
 def _compile_settings(specs) -> dict:
@@ -345,5 +408,5 @@ BACKEND = Backend(
     requires=("coremltools", "executorch.backends.apple.coreml"),
     inspect_delegates=inspect_delegates,
     config_problems=config_problems,
-    finish_program=repeatable_identifiers,
+    finish_program=finish_program,
 )
