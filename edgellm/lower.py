@@ -128,6 +128,7 @@ def lower(programs: dict[str, ExportedProgram], partitioners: list, constant_met
     from executorch.exir.passes.cse_pass import CSEPass
     from executorch.exir.passes.sym_shape_eval_pass import ConstraintBasedSymShapeEvalPass
 
+    from .progress import release_memory
     from .report import delegation, op_histogram, preserved_report
 
     ops_before = op_histogram(programs)
@@ -150,6 +151,9 @@ def lower(programs: dict[str, ExportedProgram], partitioners: list, constant_met
     # Plan memory for the largest T the program accepts, not for the example input's T. With
     # several methods, each buffer gets one place that every method reads and writes (one
     # MemoryPlanningPass instance plans them all).
+    # lowering leaves garbage in cycles (copies of programs, fake tensors): collect it before the
+    # emitter copies every undelegated constant (LFM2.5-350M 8da4w: 1.29 -> 1.16 GB first)
+    release_memory()
     program = edge.to_executorch(ExecutorchBackendConfig(
         do_quant_fusion_and_const_prop=quant_fusion,
         sym_shape_eval_pass=ConstraintBasedSymShapeEvalPass(),

@@ -21,7 +21,7 @@ from . import report as reports
 from .backends import plan_for
 from .config import ExportConfig, dump_yaml
 from .errors import InputError
-from .progress import Stages, peak_rss_mb, release_memory
+from .progress import Stages, drop_checkpoint_pages, peak_rss_mb, release_memory
 
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -117,7 +117,7 @@ def export(cfg: ExportConfig, quiet: bool = False) -> dict:
             model = build_model(source.hf_config, source.state_dict, opts,
                                 TORCH_DTYPES[cfg.dtype])
             source.state_dict = {}  # the model holds the tensors now
-        release_memory()  # pages of checkpoint weights the build replaced
+        drop_checkpoint_pages()  # pages of checkpoint weights the build replaced
         weights_per_token, done = weight_bytes(model), None
         if cfg.quantize or cfg.embedding_quantize:
             with stages.stage("quantize"):
@@ -125,7 +125,7 @@ def export(cfg: ExportConfig, quiet: bool = False) -> dict:
 
                 done = quantize(model, cfg, source.stored_types)
                 weights_per_token -= done.bytes_saved
-            release_memory()  # and those quantization replaced
+            drop_checkpoint_pages()  # and those quantization replaced
             for line in [] if quiet else done.notes():
                 print(line, file=sys.stderr, flush=True)
         with stages.stage("export"):

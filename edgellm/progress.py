@@ -40,21 +40,26 @@ def release_memory() -> None:
     """Collect garbage, hand freed heap pages back to the OS (glibc keeps them otherwise, so
     the next stage would stack its peak on the previous stage's) and drop the resident pages of
     memory-mapped checkpoints (`drop_mapped_pages`)."""
-    import ctypes
     import gc
 
     gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to trim
-        pass
     drop_checkpoint_pages()
 
 
 def drop_checkpoint_pages() -> int:
-    """`drop_mapped_pages` for every checkpoint noted by `note_mapped`; cheap enough to call
-    between two weights."""
+    """`drop_mapped_pages` for every checkpoint noted by `note_mapped`, and glibc's free heap
+    pages handed back; cheap enough to call between two weights."""
+    _trim()
     return drop_mapped_pages(_MAPPED)
+
+
+def _trim() -> None:
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        pass
 
 
 MADV_DONTNEED = 4  # Linux
