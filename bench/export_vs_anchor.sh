@@ -6,6 +6,8 @@
 #   settings) or xnnpack_q8da4w_emb4 (edgellm only: 8da4w with 4-bit embeddings; its anchor row
 #   is export_llm's xnnpack_q8da4w)
 #   env SKIP_ANCHOR=1 reuses OUTDIR/anchor.jsonl from an earlier anchor run of the same session.
+#   env NO_VERIFY=1 exports with --no-verify (export_llm does not verify) into
+#   OUTDIR/edgellm_noverify_CONFIG and OUTDIR/edgellm_noverify.jsonl.
 # Runs ../shared/bench/anchor.sh (the reference), then edgellm on OUTDIR/hf for each config, and
 # prints one table; the last line is one JSON object with both sides and the ratios.
 set -euo pipefail
@@ -16,7 +18,8 @@ configs=${*:-coreml_fp32 xnnpack_fp32}
 py=${EDGELLM_PYTHON:-$root/.venv/bin/python}
 mkdir -p "$out"; out=$(cd "$out" && pwd)
 [ "${SKIP_ANCHOR:-0}" = 1 ] || bash "$root/../shared/bench/anchor.sh" "$out" $configs
-: > "$out/edgellm.jsonl"
+tag=edgellm${NO_VERIFY:+_noverify}
+: > "$out/$tag.jsonl"
 for c in $configs; do
   case $c in
     # the reference config sets ios 18 and cpu_and_ne and leaves precision at fp16, as here
@@ -27,9 +30,10 @@ for c in $configs; do
     xnnpack_q8da4w_emb4) args="--backend xnnpack --quantize 8da4w --embedding-quantize 4,32" ;;
     *) echo "unknown config $c" >&2; exit 2 ;;
   esac
-  /usr/bin/time -v "$py" -m edgellm.cli export "$out/hf" -o "$out/edgellm_$c" --force \
-      --max-seq-len 512 --max-context-len 512 --quiet $args > "$out/edgellm_$c.log" 2>&1 \
+  /usr/bin/time -v "$py" -m edgellm.cli export "$out/hf" -o "$out/${tag}_$c" --force \
+      --max-seq-len 512 --max-context-len 512 --quiet ${NO_VERIFY:+--no-verify} $args \
+      > "$out/${tag}_$c.log" 2>&1 \
       || [ $? = 1 ]  # 1: written, verification failed (random weights flatten 4-bit logits)
-  "$py" "$here/summarize.py" "$c" "$out/edgellm_$c" "$out/edgellm_$c.log" >> "$out/edgellm.jsonl"
+  "$py" "$here/summarize.py" "$c" "$out/${tag}_$c" "$out/${tag}_$c.log" >> "$out/$tag.jsonl"
 done
-"$py" "$here/summarize.py" --table "$out/anchor.jsonl" "$out/edgellm.jsonl"
+"$py" "$here/summarize.py" --table "$out/anchor.jsonl" "$out/$tag.jsonl"
