@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import edgellm
-from edgellm.backends import xnnpack
+from edgellm.backends import UPSTREAM_COPIES, xnnpack
 from edgellm.errors import InputError
 
 SIZES = dict(max_seq_len=16, max_context_len=32)
@@ -47,11 +47,11 @@ def written_from_tensors(lean, monkeypatch):
 def test_lean_lowering_gives_the_upstream_bytes_and_verifies(tiny_models, tmp_path, monkeypatch,
                                                              written_from_tensors, arch, options):
     folder, hf = tiny_models[arch]
-    monkeypatch.setenv(xnnpack.UPSTREAM_COPIES, "1")
+    monkeypatch.setenv(UPSTREAM_COPIES, "1")
     edgellm.export(folder, output=tmp_path / "upstream", backends="xnnpack", verify=False,
                    quiet=True, **SIZES, **options)
     assert written_from_tensors == []  # ExecuTorch's own lowering keeps bytes
-    monkeypatch.delenv(xnnpack.UPSTREAM_COPIES)
+    monkeypatch.delenv(UPSTREAM_COPIES)
     report = edgellm.export(folder, output=tmp_path / "lean", backends="xnnpack", quiet=True,
                             **SIZES, **options)
     assert report["verify"]["passed"]
@@ -113,14 +113,14 @@ def test_tensor_backed_data_passes_through_the_store_and_the_cord(lean):
 
 
 def test_partitioners_install_the_workaround_and_the_variable_removes_it(lean, monkeypatch):
-    monkeypatch.setenv(xnnpack.UPSTREAM_COPIES, "1")
+    monkeypatch.setenv(UPSTREAM_COPIES, "1")
     xnnpack._partitioners(None)
     assert not lean.installed()
-    monkeypatch.delenv(xnnpack.UPSTREAM_COPIES)
+    monkeypatch.delenv(UPSTREAM_COPIES)
     xnnpack._partitioners(None)
     xnnpack._partitioners(None)  # idempotent: wrapped once
     assert lean.installed()
-    monkeypatch.setenv(xnnpack.UPSTREAM_COPIES, "yes")
+    monkeypatch.setenv(UPSTREAM_COPIES, "yes")
     with pytest.raises(InputError, match="EDGELLM_UPSTREAM_COPIES='yes' is not understood. "
                                          r"Allowed: 0 .* or 1"):
         xnnpack._partitioners(None)
@@ -129,9 +129,9 @@ def test_partitioners_install_the_workaround_and_the_variable_removes_it(lean, m
 def test_other_executorch_versions_lower_as_executorch_does(lean, monkeypatch):
     import executorch.version
 
-    monkeypatch.setenv(xnnpack.UPSTREAM_COPIES, "1")
+    monkeypatch.setenv(UPSTREAM_COPIES, "1")
     xnnpack._partitioners(None)
-    monkeypatch.delenv(xnnpack.UPSTREAM_COPIES)
+    monkeypatch.delenv(UPSTREAM_COPIES)
     monkeypatch.setattr(executorch.version, "__version__", "1.6.0")
     xnnpack._partitioners(None)
     assert not lean.installed()

@@ -14,13 +14,12 @@ Measured on LFM2.5-350M fp32 (1.35 GB of weights, iOS 18, fp16 compute; docs/des
   converted model still holds its MIL program, whose fp16 constants are the weights once more
   (0.7 GB), although they are in the package's weight.bin by then.
 
-`install()` shares the weights with the copy (through the hook ExecuTorch gives backends) and
-swaps in an `fp16_overflow` that gives the same answer a million elements at a time (and an
-underflow check that counts a constant's elements without copying it); the
-converted model lets go of its MIL program once it is saved (the program is used by that save,
-for the debug-handle mapping, and by nothing after it). `restore()`
-puts ExecuTorch's and coremltools' own back. The .pte is the same either way (tested). Imported only
-by `coreml._lean_lowering`, after its version check.
+`install()` shares the weights with the copy (through the hook ExecuTorch gives backends),
+swaps in an `fp16_overflow` that gives the same answer a million elements at a time and an
+underflow check that counts a constant's elements without copying it, and lets the converted
+model drop its MIL program once it is saved (that save uses it for the debug-handle mapping;
+nothing after it does). `restore()` puts ExecuTorch's and coremltools' own back. The .pte is the
+same either way (tested). Imported only by `coreml._lean_lowering`, after its version check.
 """
 
 from __future__ import annotations

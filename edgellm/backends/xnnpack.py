@@ -8,7 +8,7 @@ Lowering shares the weights with ExecuTorch instead of letting it copy them twic
 xnnpack_lean.py); EDGELLM_UPSTREAM_COPIES=1 lowers exactly as ExecuTorch does, to compare.
 """
 
-from . import UPSTREAM_COPIES, Backend, upstream_copies  # noqa: F401 (UPSTREAM_COPIES: tests)
+from . import Backend, upstream_copies
 
 
 def _partitioners(options) -> list:
