@@ -4,6 +4,7 @@ ends, and the same figures go into the report."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import resource
 import sys
 import time
@@ -53,13 +54,23 @@ def drop_checkpoint_pages() -> int:
     return drop_mapped_pages(_MAPPED)
 
 
-def _trim() -> None:
+@functools.cache
+def _libc():
+    """glibc, or None elsewhere (then there is nothing to trim or drop)."""
     import ctypes
 
     try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to trim
-        pass
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        libc.malloc_trim  # noqa: B018 (glibc has it; other libcs may not)
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
+def _trim() -> None:
+    if _libc() is not None:
+        _libc().malloc_trim(0)
 
 
 MADV_DONTNEED = 4  # Linux
@@ -71,12 +82,12 @@ def drop_mapped_pages(paths) -> int:
     of a page still in use faults it back from the page cache. A mapping with any page written
     (a private mapping's written pages live only in this process) is left alone. Linux only
     (elsewhere a no-op). Returns the MB dropped."""
-    import ctypes
-
     names = {str(Path(p).resolve()) for p in paths}
+    libc = _libc()
+    if not names or libc is None:
+        return 0
     try:
-        smaps = open("/proc/self/smaps").read().splitlines() if names else []
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        smaps = open("/proc/self/smaps").read().splitlines()
     except OSError:
         return 0
     regions, current = [], None
@@ -89,7 +100,6 @@ def drop_mapped_pages(paths) -> int:
             regions.append(current)
         elif current is not None and fields[0] in ("Rss:", "Anonymous:"):
             current["rss" if fields[0] == "Rss:" else "written"] = int(fields[1])
-    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
     dropped = 0
     for r in regions:
         if r["path"] in names and r["rss"] and not r["written"]:

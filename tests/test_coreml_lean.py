@@ -1,13 +1,12 @@
 """Core ML lowering without a copy of the weights (backends/coreml_lean.py): the same model.pte as
-ExecuTorch's and coremltools' own lowering, an fp16 range check that answers as coremltools' does,
-and checkpoint pages dropped from memory without changing a weight."""
+ExecuTorch's and coremltools' own lowering, and an fp16 range check that answers as coremltools'
+does."""
 
 import numpy as np
 import pytest
 import torch
 
 import edgellm
-from edgellm import progress
 from edgellm.backends import UPSTREAM_COPIES, coreml
 
 SIZES = dict(max_seq_len=16, max_context_len=32)
@@ -95,36 +94,3 @@ def test_partitioners_install_the_workarounds_for_these_versions_only(lean, monk
     monkeypatch.setattr(executorch.version, "__version__", "1.6.0")
     coreml._partitioners(coreml.CoreMLOptions())
     assert not lean.installed()
-
-
-def resident_kb(path) -> int:
-    """Rss of this process's mappings of `path`."""
-    total, inside = 0, False
-    for line in open("/proc/self/smaps"):
-        fields = line.split()
-        if "-" in fields[0] and not fields[0].endswith(":"):
-            inside = len(fields) > 5 and fields[5] == str(path)
-        elif inside and fields[0] == "Rss:":
-            total += int(fields[1])
-    return total
-
-
-@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/smaps"), reason="Linux only")
-def test_checkpoint_pages_are_dropped_unless_written(tmp_path):
-    from safetensors.torch import load_file, save_file
-
-    weights = {"a": torch.randn(512, 1024), "b": torch.randn(256, 1024)}
-    read, written = tmp_path / "read.safetensors", tmp_path / "written.safetensors"
-    save_file(weights, read)
-    save_file(weights, written)
-    mapped = load_file(read)
-    other = load_file(written)
-    other["b"][0, 0] = 1.0  # a private mapping's written page: dropping it would lose the write
-    assert float(sum(t.sum() for t in [*mapped.values(), *other.values()])) != 0  # every page
-    before = resident_kb(read.resolve())
-    assert before >= 3 * 1024
-    assert progress.drop_mapped_pages([read, written]) * 1024 >= before - 1024
-    assert resident_kb(read.resolve()) < 64 and resident_kb(written.resolve()) >= 3 * 1024
-    assert all(torch.equal(mapped[k], weights[k]) for k in weights)  # faulted back in
-    assert other["b"][0, 0] == 1.0
-    assert progress.drop_mapped_pages([]) == 0

@@ -3,9 +3,14 @@ figures in report.json, a live line while a stage runs on a terminal, nothing wi
 
 import io
 import json
+import os
 import re
 import time
 
+import pytest
+import torch
+
+from edgellm import progress
 from edgellm.cli import main
 from edgellm.progress import Stages
 
@@ -49,3 +54,36 @@ def test_live_line_on_a_terminal_only():
     live = re.findall(r"\r\[edgellm\] lower +[\d.]+ s   RSS +\d+ MB [|/\-\\]", tty.getvalue())
     assert len(live) >= 3 and tty.getvalue().endswith(" MB\n")
     assert "\r" not in pipe.getvalue() and LINE.match(pipe.getvalue().strip())
+
+
+def resident_kb(path) -> int:
+    """Rss of this process's mappings of `path`."""
+    total, inside = 0, False
+    for line in open("/proc/self/smaps"):
+        fields = line.split()
+        if "-" in fields[0] and not fields[0].endswith(":"):
+            inside = len(fields) > 5 and fields[5] == str(path)
+        elif inside and fields[0] == "Rss:":
+            total += int(fields[1])
+    return total
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="Linux only")
+def test_checkpoint_pages_are_dropped_unless_written(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    weights = {"a": torch.randn(512, 1024), "b": torch.randn(256, 1024)}
+    read, written = tmp_path / "read.safetensors", tmp_path / "written.safetensors"
+    save_file(weights, read)
+    save_file(weights, written)
+    mapped = load_file(read)
+    other = load_file(written)
+    other["b"][0, 0] = 1.0  # a private mapping's written page: dropping it would lose the write
+    assert float(sum(t.sum() for t in [*mapped.values(), *other.values()])) != 0  # every page
+    before = resident_kb(read.resolve())
+    assert before >= 3 * 1024
+    assert progress.drop_mapped_pages([read, written]) * 1024 >= before - 1024
+    assert resident_kb(read.resolve()) < 64 and resident_kb(written.resolve()) >= 3 * 1024
+    assert all(torch.equal(mapped[k], weights[k]) for k in weights)  # faulted back in
+    assert other["b"][0, 0] == 1.0
+    assert progress.drop_mapped_pages([]) == 0

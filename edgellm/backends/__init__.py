@@ -69,6 +69,16 @@ def upstream_copies() -> bool:
     return value == "1"
 
 
+def switch_workarounds(lean, upstream: bool) -> bool:
+    """Install a `*_lean` module's workarounds, or put upstream's methods back when `upstream`
+    (EDGELLM_UPSTREAM_COPIES=1). Idempotent; returns whether they are installed."""
+    if upstream:
+        lean.restore()
+    else:
+        lean.install()
+    return not upstream
+
+
 def _registry() -> dict[str, Backend]:
     from . import coreml, portable, vulkan, xnnpack
 

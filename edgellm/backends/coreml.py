@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import VerificationError
-from . import Backend, upstream_copies
+from . import Backend, switch_workarounds, upstream_copies
 
 COMPUTE_UNITS = ("cpu_only", "cpu_and_gpu", "cpu_and_ne", "all")
 PRECISIONS = ("fp16", "fp32")
@@ -94,10 +94,7 @@ def _lean_lowering() -> None:
         return
     from . import coreml_lean
 
-    if upstream:
-        coreml_lean.restore()
-    else:
-        coreml_lean.install()
+    switch_workarounds(coreml_lean, upstream)
 
 
 # --- What the program ships: each Core ML payload, described and checked against the policy ----

@@ -8,7 +8,7 @@ Lowering shares the weights with ExecuTorch instead of letting it copy them twic
 xnnpack_lean.py); EDGELLM_UPSTREAM_COPIES=1 lowers exactly as ExecuTorch does, to compare.
 """
 
-from . import Backend, upstream_copies
+from . import Backend, switch_workarounds, upstream_copies
 
 
 def _partitioners(options) -> list:
@@ -56,11 +56,7 @@ def _lean_preprocess() -> bool:
         return False
     from . import xnnpack_lean
 
-    if upstream:
-        xnnpack_lean.restore()
-    else:
-        xnnpack_lean.install()
-    return not upstream
+    return switch_workarounds(xnnpack_lean, upstream)
 
 
 BACKEND = Backend(
