@@ -1,6 +1,7 @@
-"""XNNPACK lowering that shares the weights (backends/xnnpack_lean.py): the same model.pte as
-ExecuTorch's own copying lowering, a program that verifies, and weights written from the tensors
-themselves; the copy hook shares only weights that own their storage."""
+"""XNNPACK lowering that shares the weights and skips retraces of unchanged graphs
+(backends/xnnpack_lean.py): the same model.pte as ExecuTorch's own lowering, a program that
+verifies, weights written from the tensors themselves, fewer retraces; the copy hook shares only
+weights that own their storage, and a pass that rewrites still retraces."""
 
 import copy
 import io
@@ -41,23 +42,51 @@ def written_from_tensors(lean, monkeypatch):
     return sizes
 
 
+@pytest.fixture
+def retraces(monkeypatch):
+    """A list that counts ExportPass retraces (its `call`) while a test runs."""
+    from executorch.exir.pass_base import _ExportPassBase
+
+    count, upstream = [], _ExportPassBase.call
+
+    def counting(self, graph_module):
+        count.append(type(self).__name__)
+        return upstream(self, graph_module)
+
+    monkeypatch.setattr(_ExportPassBase, "call", counting)
+    return count
+
+
 @pytest.mark.parametrize("arch, options", [
     ("lfm2", {}), ("llama", {}), ("lfm2", {"quantize": "8da4w", "group_size": 32}),
-    ("lfm2", {"embedding_quantize": "4,32"})])
+    ("llama", {"quantize": "8da4w", "group_size": 32}), ("lfm2", {"embedding_quantize": "4,32"})])
 def test_lean_lowering_gives_the_upstream_bytes_and_verifies(tiny_models, tmp_path, monkeypatch,
-                                                             written_from_tensors, arch, options):
+                                                             written_from_tensors, retraces,
+                                                             arch, options):
+    from executorch.devtools.etrecord import parse_etrecord
+
     folder, hf = tiny_models[arch]
     monkeypatch.setenv(UPSTREAM_COPIES, "1")
     edgellm.export(folder, output=tmp_path / "upstream", backends="xnnpack", verify=False,
-                   quiet=True, **SIZES, **options)
+                   quiet=True, etrecord=True, **SIZES, **options)
     assert written_from_tensors == []  # ExecuTorch's own lowering keeps bytes
+    upstream_retraces = len(retraces)
+    retraces.clear()
     monkeypatch.delenv(UPSTREAM_COPIES)
     report = edgellm.export(folder, output=tmp_path / "lean", backends="xnnpack", quiet=True,
-                            **SIZES, **options)
+                            etrecord=True, **SIZES, **options)
     assert report["verify"]["passed"]
     upstream, ours = ((tmp_path / n / "model.pte").read_bytes() for n in ("upstream", "lean"))
     assert len(ours) > 10_000 and ours == upstream
     assert written_from_tensors  # the workaround applied
+    # XNNPACK's passes found nothing to rewrite in most partitions, and verify's own exports
+    # retrace nothing through XNNPACK: fewer retraces, all of lowering's included
+    assert 0 < len(retraces) < upstream_retraces * 0.7
+    # devtools map the program's instructions and delegates to the graph as they did
+    theirs, mine = (parse_etrecord(str(tmp_path / n / "etrecord.bin"))
+                    for n in ("upstream", "lean"))
+    assert mine._delegate_map == theirs._delegate_map and mine._delegate_map
+    assert mine._debug_handle_map == theirs._debug_handle_map
     if not options.get("quantize"):  # 8da4w's weights are repacked to 4 bits, so they stay bytes
         embed = hf.get_input_embeddings().weight  # outside the delegate
         linears = sum(p.nbytes for p in hf.parameters() if p.dim() == 2 and p is not embed)
@@ -110,6 +139,49 @@ def test_tensor_backed_data_passes_through_the_store_and_the_cord(lean):
     out = io.BytesIO()
     Cord(backed).write_to_file(out)
     assert out.getvalue() == blob == backed.to_bytes()
+
+
+def test_a_pass_that_rewrites_still_retraces_and_one_that_does_not_is_handed_back(lean, retraces):
+    """The guard sits between a pass and ExportPass: an unchanged graph comes back as it is, a
+    changed one is retraced (its new node gets its shape); the graph preprocess received is
+    retraced whatever happens, as upstream's first retracing pass does."""
+    from executorch.backends.xnnpack._passes import XNNPACKPassManager
+    from executorch.exir.pass_base import ExportPass
+
+    class Finds(ExportPass):
+        rewrite = False
+
+        def call(self, graph_module):
+            if self.rewrite:  # x -> neg(x) before the output
+                out = graph_module.graph.output_node()
+                with graph_module.graph.inserting_before(out):
+                    neg = graph_module.graph.call_function(torch.ops.aten.neg.default,
+                                                           (out.args[0][0],))
+                out.args = ((neg,),)
+                graph_module.recompile()
+            return super().call(graph_module)
+
+    class Rewrites(Finds):
+        rewrite = True
+
+    def run(*passes):
+        ep = torch.export.export(torch.nn.Linear(4, 4), (torch.randn(2, 4),))
+        retraces.clear()
+        return XNNPACKPassManager(ep, passes=list(passes)).transform(), list(retraces)
+
+    lean.install()
+    ep, seen = run(Finds, Finds, Finds)
+    assert seen == ["Finds"]  # the first (the received graph); the other two handed back
+    ep, seen = run(Finds, Rewrites, Finds)
+    assert seen == ["Finds", "Rewrites"]
+    neg = [n for n in ep.graph.nodes if n.target == torch.ops.aten.neg.default]
+    assert len(neg) == 1 and neg[0].meta["val"].shape == (2, 4)  # retraced: shape known
+    x = torch.randn(2, 4)
+    assert torch.equal(ep.module()(x), -torch.nn.functional.linear(x, ep.state_dict["weight"],
+                                                                   ep.state_dict["bias"]))
+    lean.restore()
+    ep, seen = run(Finds, Finds, Finds)
+    assert seen == ["Finds"] * 3  # ExecuTorch's own manager retraces every time
 
 
 def test_partitioners_install_the_workaround_and_the_variable_removes_it(lean, monkeypatch):

@@ -8,8 +8,15 @@ weights are 1.35 GB, peaks at 4.6 GB; 2.3 GB with these workarounds):
 - `NodeVisitor.get_serialized_buffer_index` stores each constant in the NamedDataStore as `bytes`,
   which live until the .pte is written, although most are the weight's own bytes.
 
-`install()` shares compact weights with the copy (through the hook ExecuTorch gives backends) and
-wraps `preprocess` so that a buffer equal to a weight's storage is written from that storage;
+And it spends half its lowering time retracing graphs nothing changed:
+- `XNNPACKPassManager` runs 17 passes over every partition; each ends in `ExportPass.call`, which
+  retraces the whole graph with fake tensors (for 8da4w, running torchao's quantize ops' Python
+  bodies again), whether or not the pass found anything to rewrite. An LLM's partitions have no
+  batch norm, upsample, PReLU or max pool, so most of those retraces reproduce the graph.
+
+`install()` shares compact weights with the copy (through the hook ExecuTorch gives backends),
+wraps `preprocess` so that a buffer equal to a weight's storage is written from that storage, and
+runs XNNPACK's passes skipping the retrace of a graph its pass left unchanged (`_RetraceGuard`);
 `restore()` puts ExecuTorch's own methods back. No ExecuTorch source is rewritten, and the .pte is
 byte-identical either way. Imported only by `xnnpack._lean_preprocess`, after its version check.
 
@@ -21,14 +28,20 @@ also 256 MB), and the copies of weights that are views (below).
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 
 import numpy as np
 import torch
+from executorch.backends.xnnpack._passes import XNNPACKPass, XNNPACKPassManager
 from executorch.backends.xnnpack.xnnpack_preprocess import XnnpackBackend
 from executorch.exir._serialize._cord import FileBackedData
+from executorch.exir.pass_base import ExportPass
+from executorch.exir.program._program import _transform
+from torch.fx.passes.infra.pass_base import PassResult
 
 _UPSTREAM_PREPROCESS = XnnpackBackend.__dict__["preprocess"]  # a staticmethod
+_UPSTREAM_TRANSFORM = XNNPACKPassManager.__dict__["transform"]
 _COPY_HOOK = "copy_exported_program_for_preprocess"
 _COMPARE_CHUNK = 1 << 24  # bytes compared at a time: no temporary the size of a whole weight
 
@@ -121,17 +134,74 @@ def back_with_weights(buffers: list, weights: list[torch.Tensor]) -> int:
     return replaced
 
 
+# ExportPass's per-node hooks: a pass overriding any of them rewrites the graph while it retraces
+_NODE_HOOKS = tuple(h for h in dir(ExportPass) if h.startswith("call_") or h in ("placeholder",
+                                                                                 "output"))
+
+
+def structure(graph) -> tuple:
+    """What a retrace could rebuild differently: every node's kind, name, target and arguments."""
+    def arg(a):
+        if isinstance(a, (list, tuple)):
+            return tuple(arg(x) for x in a)
+        if isinstance(a, dict):
+            return tuple((k, arg(v)) for k, v in a.items())
+        return ("%", a.name) if isinstance(a, torch.fx.Node) else repr(a)
+    return tuple((n.op, n.name, str(n.target), arg(n.args), arg(n.kwargs)) for n in graph.nodes)
+
+
+class _RetraceGuard(ExportPass):
+    """Placed between a pass and ExportPass in the method order, so the pass's closing
+    `super().call(graph_module)` (ExportPass's retrace, "to regenerate metadata") lands here first.
+    When the graph is what it was before the pass ran, the pass rewrote nothing: a retrace would
+    rebuild the same nodes (their metadata, the pass's tags included, is carried over either way),
+    so the graph is handed back as it is."""
+
+    unchanged_if: tuple | None = None  # the graph's structure before the pass
+
+    def call(self, graph_module):
+        if self.unchanged_if is not None and structure(graph_module.graph) == self.unchanged_if:
+            return PassResult(graph_module, False)
+        return super().call(graph_module)
+
+
+@functools.cache
+def _guarded(pass_type: type) -> type:
+    return type(pass_type.__name__, (pass_type, _RetraceGuard), {})
+
+
+def _transform_skipping_retraces(self):
+    """XNNPACKPassManager.transform, with each pass that rewrites only in its own `call` (no
+    per-node hook) guarded by _RetraceGuard. The graph preprocess received is never left
+    unretraced: ExecuTorch keeps it as the delegate's original program, and upstream's passes
+    mutate it only until the first retrace."""
+    if not all(issubclass(p, ExportPass) for p in self.passes):
+        return _UPSTREAM_TRANSFORM(self)  # which raises its own error
+    ep = self.exported_program
+    received = ep.graph_module
+    for pass_ in self.passes:
+        guard = all(getattr(pass_, h) is getattr(ExportPass, h) for h in _NODE_HOOKS)
+        cls = _guarded(pass_) if guard else pass_
+        transform_pass = cls(ep) if issubclass(pass_, XNNPACKPass) else cls()
+        if guard and ep.graph_module is not received:
+            transform_pass.unchanged_if = structure(ep.graph_module.graph)
+        ep = _transform(ep, transform_pass)
+    return ep
+
+
 def install() -> None:
     """Idempotent: the wrapper calls ExecuTorch's preprocess, never the attribute it replaced."""
     setattr(XnnpackBackend, _COPY_HOOK, classmethod(_copy_sharing_weights))
     XnnpackBackend.preprocess = staticmethod(_preprocess_from_weights)
+    XNNPACKPassManager.transform = _transform_skipping_retraces
 
 
 def restore() -> None:
-    """ExecuTorch's own copy hook (BackendDetails') and preprocess."""
+    """ExecuTorch's own copy hook (BackendDetails'), preprocess and pass manager."""
     if _COPY_HOOK in XnnpackBackend.__dict__:
         delattr(XnnpackBackend, _COPY_HOOK)
     XnnpackBackend.preprocess = _UPSTREAM_PREPROCESS
+    XNNPACKPassManager.transform = _UPSTREAM_TRANSFORM
 
 
 def installed() -> bool:
