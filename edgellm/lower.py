@@ -115,6 +115,22 @@ def forget_lowered_graphs() -> None:
                 value.cache_clear()
 
 
+def _lean_passes() -> bool:
+    """Install (or, with EDGELLM_UPSTREAM_COPIES=1, remove) backends/exir_lean.py, which keeps
+    ExportPass retraces from re-running torchao's quantize ops on fake tensors (same program).
+    ExecuTorch 1.5.x only. Returns whether it is installed."""
+    from executorch.version import __version__
+
+    from .backends import switch_workarounds, upstream_copies
+
+    upstream = upstream_copies()
+    if not __version__.startswith("1.5."):
+        return False
+    from .backends import exir_lean
+
+    return switch_workarounds(exir_lean, upstream)
+
+
 def lower(programs: dict[str, ExportedProgram], partitioners: list, constant_methods: dict,
           etrecord: bool, quant_fusion: bool = False, dedupe: bool = False) -> Lowered:
     """quant_fusion: rewrite torchao's dequantize + embedding left outside the delegates into
@@ -131,6 +147,7 @@ def lower(programs: dict[str, ExportedProgram], partitioners: list, constant_met
     from .progress import release_memory
     from .report import delegation, op_histogram, preserved_report
 
+    _lean_passes()
     ops_before = op_histogram(programs)
     states = {name: mutable_buffers(ep) for name, ep in programs.items()}
     logged: list[str] = []

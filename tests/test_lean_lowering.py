@@ -221,3 +221,60 @@ def test_the_partitioner_answers_without_a_check_only_when_every_node_passes(lea
     assert check is None and torch.ops.aten.linear.default in ops
     ops, check = answer(torch.float64)
     assert check is not None and torch.ops.aten.linear.default in ops
+
+
+@pytest.fixture
+def exir_lean():
+    from executorch.version import __version__
+
+    if not __version__.startswith("1.5."):
+        pytest.skip(f"the workaround applies to ExecuTorch 1.5 only, not {__version__}")
+    from edgellm.backends import exir_lean
+
+    exir_lean.restore()  # an export before this test installed it
+    yield exir_lean
+    exir_lean.restore()
+
+
+def test_a_retrace_runs_each_torchao_op_once_per_shape(exir_lean, monkeypatch):
+    """Two 8da4w linears of one shape: their torchao ops run on fake tensors once for both, in
+    the first retrace only; every node gets the metadata a full run gives; restore() undoes it."""
+    from executorch.exir.pass_base import ExportPass
+    from torchao.quantization import quantize_
+
+    from edgellm.quantize import _torchao
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    model.requires_grad_(False)  # as edgellm's models: a grad flag is part of the metadata
+    quantize_(model, _torchao(4, 32, dynamic=True))
+    ep = torch.export.export(model, (torch.randn(3, 64),),
+                             dynamic_shapes=({0: torch.export.Dim("tokens", max=16)},))
+    ops = [n.target for n in ep.graph.nodes if exir_lean.memoizable(n.target)]
+    assert len(ops) >= 6 and not exir_lean.memoizable(torch.ops.aten.linear.default)
+    runs = []
+    upstream = torch.fx.Interpreter.call_function
+
+    def counting(self, target, args, kwargs):
+        if exir_lean.memoizable(target):
+            runs.append(target)
+        return upstream(self, target, args, kwargs)
+
+    monkeypatch.setattr(torch.fx.Interpreter, "call_function", counting)
+
+    def retrace():
+        runs.clear()
+        gm = ExportPass()(ep.graph_module).graph_module
+        vals = [(str(n.target), tuple(map(str, n.meta["val"].shape)), n.meta["val"].dtype)
+                for n in gm.graph.nodes if exir_lean.memoizable(n.target)
+                for v in [n.meta["val"]] if isinstance(v, torch.Tensor)]
+        return vals, len(runs)
+
+    full, n_full = retrace()
+    assert n_full == len(ops)  # ExecuTorch's ExportPass runs every one
+    exir_lean.install()
+    first, n_first = retrace()
+    again, n_again = retrace()
+    assert first == again == full and full[0][1][0].startswith("s")  # symbolic tokens
+    assert n_first == len(ops) // 2 and n_again == 0
+    exir_lean.restore()
+    assert not exir_lean.installed() and retrace()[1] == len(ops)

@@ -59,8 +59,8 @@ UPSTREAM_COPIES = "EDGELLM_UPSTREAM_COPIES"
 
 def upstream_copies() -> bool:
     """True when EDGELLM_UPSTREAM_COPIES=1 asks to lower exactly as ExecuTorch and coremltools
-    do, without the workarounds in xnnpack_lean.py and coreml_lean.py (to compare; the programs
-    are the same)."""
+    do, without the workarounds in xnnpack_lean.py, coreml_lean.py and exir_lean.py (to compare;
+    the programs are the same)."""
     value = os.environ.get(UPSTREAM_COPIES, "0")
     if value not in ("0", "1"):
         raise InputError(f"{UPSTREAM_COPIES}={value!r} is not understood. Allowed: 0 (share the "
