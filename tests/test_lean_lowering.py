@@ -236,10 +236,14 @@ def exir_lean():
     exir_lean.restore()
 
 
-def test_a_retrace_runs_each_torchao_op_once_per_shape(exir_lean, monkeypatch):
+@pytest.mark.parametrize("retracer", ["executorch", "torch.export"])
+def test_a_retrace_runs_each_torchao_op_once_per_shape(exir_lean, monkeypatch, retracer):
     """Two 8da4w linears of one shape: their torchao ops run on fake tensors once for both, in
-    the first retrace only; every node gets the metadata a full run gives; restore() undoes it."""
+    the first retrace only; every node gets the metadata a full run gives; restore() undoes it.
+    Both pass bases ExecuTorch's lowering retraces with; edge-dialect targets too."""
+    from executorch.exir.dialects._ops import ops as exir_ops
     from executorch.exir.pass_base import ExportPass
+    from torch._export.passes import ReplaceViewOpsWithViewCopyOpsPass
     from torchao.quantization import quantize_
 
     from edgellm.quantize import _torchao
@@ -251,6 +255,9 @@ def test_a_retrace_runs_each_torchao_op_once_per_shape(exir_lean, monkeypatch):
                              dynamic_shapes=({0: torch.export.Dim("tokens", max=16)},))
     ops = [n.target for n in ep.graph.nodes if exir_lean.memoizable(n.target)]
     assert len(ops) >= 6 and not exir_lean.memoizable(torch.ops.aten.linear.default)
+    assert exir_lean.memoizable(exir_ops.edge.torchao.choose_qparams_affine.default)
+    assert not exir_lean.memoizable(exir_ops.edge.aten.linear.default)
+    Pass = ExportPass if retracer == "executorch" else ReplaceViewOpsWithViewCopyOpsPass
     runs = []
     upstream = torch.fx.Interpreter.call_function
 
@@ -263,7 +270,7 @@ def test_a_retrace_runs_each_torchao_op_once_per_shape(exir_lean, monkeypatch):
 
     def retrace():
         runs.clear()
-        gm = ExportPass()(ep.graph_module).graph_module
+        gm = Pass()(ep.graph_module).graph_module
         vals = [(str(n.target), tuple(map(str, n.meta["val"].shape)), n.meta["val"].dtype)
                 for n in gm.graph.nodes if exir_lean.memoizable(n.target)
                 for v in [n.meta["val"]] if isinstance(v, torch.Tensor)]

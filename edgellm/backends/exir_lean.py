@@ -8,14 +8,15 @@ it some twenty times (aten-to-edge passes, XNNPACK's passes, `to_executorch`): L
 linears, spent 8 s of its lowering there.
 
 A fake run of such an op has no data: its outputs' shapes, strides and dtypes follow from its
-inputs' and its other arguments, which is what ExecuTorch keeps from the run. `_memoized_fx`
-remembers them per fake mode (the symbolic sizes belong to its ShapeEnv) and answers a repeat
+inputs' and its other arguments, which is what ExecuTorch keeps from the run. `_Remembering`
+keeps them per fake mode (the symbolic sizes belong to its ShapeEnv) and answers a repeat
 with new empty fake tensors of the same metadata. Only functional torchao ops, only when every
 tensor argument is a fake tensor of one mode; anything else runs as before. The .pte is the same
 (tested on tiny LFM2/Llama 8da4w; LFM2.5-350M sha256 equal).
 
-`install()` wraps `ExportPass._fx`; `restore()` puts it back (EDGELLM_UPSTREAM_COPIES=1). Imported
-only by `lower._lean_passes`, after its version check.
+`install()` wraps `_fx` of ExecuTorch's ExportPass and of torch.export's older pass base (which
+some of ExecuTorch's aten-to-edge passes still use); `restore()` puts them back
+(EDGELLM_UPSTREAM_COPIES=1). Imported only by `lower._lean_passes`, after its version check.
 """
 
 from __future__ import annotations
@@ -24,18 +25,26 @@ import functools
 import weakref
 
 import torch
+from executorch.exir.dialects.edge._ops import EdgeOpOverload
 from executorch.exir.pass_base import _ExportPassBase
+from torch._export.pass_base import _ExportPassBaseDeprecatedDoNotUse
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_leaves
 
-_UPSTREAM_FX = _ExportPassBase.__dict__["_fx"]
+# ExecuTorch's ExportPass and torch.export's older one (ReplaceViewOpsWithViewCopyOpsPass)
+# build each node the same way: `_fx` runs the op through `self.interpreter`, then adds the node
+_PASS_BASES = (_ExportPassBase, _ExportPassBaseDeprecatedDoNotUse)
+_UPSTREAM_FX = {base: base.__dict__["_fx"] for base in _PASS_BASES}
 # fake mode -> {(op, arguments' metadata): outputs' metadata}; an entry goes with its mode
 _SEEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 @functools.cache
 def memoizable(op) -> bool:
-    """A functional torchao op that runs as its Python decomposition."""
+    """A functional torchao op that runs as its Python decomposition, as an ATen-dialect target
+    or wrapped as an edge op."""
+    if isinstance(op, EdgeOpOverload):
+        op = op._op
     return (isinstance(op, torch._ops.OpOverload) and op.namespace == "torchao"
             and torch._C._dispatch_has_kernel_for_dispatch_key(op.name(),
                                                                "CompositeImplicitAutograd")
@@ -82,28 +91,36 @@ class _Remembering:
         return result
 
 
-def _memoized_fx(self, kind, target, args, kwargs, meta):
-    if kind == "call_function" and memoizable(target):
-        data = [getattr(a, "data", a) for a in tree_leaves((args, kwargs))]
-        tensors = [t for t in tree_leaves(data) if isinstance(t, torch.Tensor)]
-        modes = {id(t.fake_mode) for t in tensors if isinstance(t, FakeTensor)}
-        if tensors and len(modes) == 1 and all(isinstance(t, FakeTensor) for t in tensors):
-            real = self.interpreter
-            self.interpreter = _Remembering(real, _SEEN.setdefault(tensors[0].fake_mode, {}))
-            try:
-                return _UPSTREAM_FX(self, kind, target, args, kwargs, meta)
-            finally:
-                self.interpreter = real
-    return _UPSTREAM_FX(self, kind, target, args, kwargs, meta)
+def _remembering(upstream):
+    def _fx(self, kind, target, args, kwargs, meta):
+        if kind == "call_function" and memoizable(target):
+            data = [getattr(a, "data", a) for a in tree_leaves((args, kwargs))]
+            tensors = [t for t in tree_leaves(data) if isinstance(t, torch.Tensor)]
+            modes = {id(t.fake_mode) for t in tensors if isinstance(t, FakeTensor)}
+            if tensors and len(modes) == 1 and all(isinstance(t, FakeTensor) for t in tensors):
+                real = self.interpreter
+                self.interpreter = _Remembering(real,
+                                                _SEEN.setdefault(tensors[0].fake_mode, {}))
+                try:
+                    return upstream(self, kind, target, args, kwargs, meta)
+                finally:
+                    self.interpreter = real
+        return upstream(self, kind, target, args, kwargs, meta)
+    return _fx
+
+
+_MEMOIZED_FX = {base: _remembering(fx) for base, fx in _UPSTREAM_FX.items()}
 
 
 def install() -> None:
-    _ExportPassBase._fx = _memoized_fx
+    for base, fx in _MEMOIZED_FX.items():
+        base._fx = fx
 
 
 def restore() -> None:
-    _ExportPassBase._fx = _UPSTREAM_FX
+    for base, fx in _UPSTREAM_FX.items():
+        base._fx = fx
 
 
 def installed() -> bool:
-    return _ExportPassBase._fx is _memoized_fx
+    return all(base._fx is fx for base, fx in _MEMOIZED_FX.items())
