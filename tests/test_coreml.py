@@ -147,3 +147,21 @@ def test_prefill_and_forward_share_one_multifunction_payload(tiny_models, tmp_pa
     single = edgellm.export(tiny_models["lfm2"][0], output=tmp_path / "s", backends="coreml",
                             max_seq_len=16, quiet=True)
     assert report["pte_bytes"] < 1.5 * single["pte_bytes"]  # not a second copy of the weights
+
+
+@pytest.mark.parametrize("prefill_chunk", [None, 4])
+def test_the_spec_read_through_the_payload_index_describes_as_unpacking_does(
+        tiny_models, tmp_path, monkeypatch, prefill_chunk):
+    """Inspect reads each payload's model.mlmodel where the payload's index says it lies, instead
+    of unpacking the whole mlpackage (weights included) into a folder; a payload without an index
+    is still unpacked. Both give the same description, one method or two sharing a payload."""
+    from edgellm.backends import coreml
+
+    edgellm.export(tiny_models["lfm2"][0], output=tmp_path / "c", backends="coreml",
+                   max_seq_len=16, prefill_chunk=prefill_chunk, verify=False, quiet=True)
+    pte = tmp_path / "c" / "model.pte"
+    read = coreml.describe_payloads(pte)
+    with open(pte, "rb") as f:  # the index is there: nothing was unpacked
+        assert read and all(coreml._mlmodel_files(f, r[-1]) for r in coreml._regions(pte))
+    monkeypatch.setattr(coreml, "_mlmodel_files", lambda f, payload: [])
+    assert coreml.describe_payloads(pte) == read

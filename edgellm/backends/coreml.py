@@ -120,7 +120,7 @@ def describe_payloads(pte: Path) -> list[dict]:
     """What every Core ML delegate of any .pte holds (edgellm's or another exporter's): method,
     compile settings, inputs, outputs, states and MIL operations."""
     return [{"method": method, "index": index, **_compile_settings(specs),
-             **_describe(package, method)} for method, index, specs, package in _payloads(pte)]
+             **_describe(spec, method)} for method, index, specs, spec in _model_specs(pte)]
 
 
 def _regions(pte: Path) -> list[tuple[str, int, list, tuple[int, int] | bytes]]:
@@ -163,25 +163,49 @@ def _read(f, region: tuple[int, int], size: int | None = None) -> bytes:
     return f.read(region[1] if size is None else min(size, region[1]))
 
 
-def _payloads(pte: Path):
-    """(method, delegate index, compile specs, mlpackage path) for every Core ML delegate, each
-    payload unpacked into a temporary folder while the caller looks at it."""
+def _model_specs(pte: Path):
+    """(method, delegate index, compile specs, Core ML model spec) for every Core ML delegate.
+    The spec (model.mlmodel) is read straight from the payload through its index; a payload
+    without one is unpacked into a temporary folder for coremltools to read."""
+    import io
     import tempfile
 
+    import coremltools as ct
+    from coremltools.proto import Model_pb2
     from executorch.backends.apple.coreml import executorchcoreml
 
     with open(pte, "rb") as f, tempfile.TemporaryDirectory(prefix="edgellm-coreml-") as tmp:
         for method, index, specs, payload in _regions(pte):
-            if isinstance(payload, tuple):
-                payload = _read(f, payload)
+            source, region = (f, payload) if isinstance(payload, tuple) else (
+                io.BytesIO(payload), (0, len(payload)))
+            files = _mlmodel_files(source, region)
+            if files:
+                spec = Model_pb2.Model()
+                spec.ParseFromString(_read(source, files[0]))
+                yield method, index, specs, spec
+                continue
             folder = Path(tmp) / f"{method}-{index}"
             folder.mkdir()
-            unpacked = executorchcoreml.unflatten_directory_contents(payload, str(folder))
-            del payload
-            if not unpacked:
+            if not executorchcoreml.unflatten_directory_contents(_read(source, region),
+                                                                 str(folder)):
                 raise VerificationError(f"Could not unpack Core ML delegate {index} of "
                                         f"method {method}")
-            yield method, index, specs, next(folder.rglob("*.mlpackage"))
+            package = next(folder.rglob("*.mlpackage"))
+            yield method, index, specs, ct.models.MLModel(str(package),
+                                                          skip_model_load=True).get_spec()
+
+
+def _mlmodel_files(f, payload: tuple[int, int]) -> list[tuple[int, int]]:
+    """Where the payload's .mlmodel files lie in `f`, from the index `flatten_directory_contents`
+    appends to it (JSON, reversed); [] for a payload without one."""
+    start, size = payload
+    tail = _read(f, (start + size - min(size, 1 << 20), min(size, 1 << 20)))
+    try:
+        index, _ = json.JSONDecoder().raw_decode(tail[::-1].decode("utf-8", "replace"))
+        return [(start + n["dataRegion"]["offset"], n["dataRegion"]["size"])
+                for n in index["nodes"] if n["kind"] == 0 and n["name"].endswith(".mlmodel")]
+    except (ValueError, KeyError, TypeError):
+        return []
 
 
 def canonical_specs(pte: Path) -> int:
@@ -200,16 +224,7 @@ def canonical_specs(pte: Path) -> int:
             if not isinstance(payload, tuple) or payload in done:
                 continue
             done.add(payload)
-            start, size = payload
-            tail = _read(f, (start + size - min(size, 1 << 20), min(size, 1 << 20)))
-            try:
-                index, _ = json.JSONDecoder().raw_decode(tail[::-1].decode("utf-8", "replace"))
-                files = [n["dataRegion"] for n in index["nodes"]
-                         if n["kind"] == 0 and n["name"].endswith(".mlmodel")]
-            except (ValueError, KeyError, TypeError):
-                continue
-            for region in files:
-                at = (start + region["offset"], region["size"])
+            for at in _mlmodel_files(f, payload):
                 data = _read(f, at)
                 spec = Model_pb2.Model()
                 spec.ParseFromString(data)
@@ -236,13 +251,11 @@ def _compile_settings(specs) -> dict:
             "min_deployment_target": TARGETS.get(int(target), target) if target else None}
 
 
-def _describe(package: Path, method: str) -> dict:
+def _describe(spec, method: str) -> dict:
     """Inputs, outputs and states with shapes and dtypes; MIL operations (constants excluded).
     A multifunction package (several methods sharing weights) is described for `method`."""
-    import coremltools as ct
     from coremltools.proto import FeatureTypes_pb2
 
-    spec = ct.models.MLModel(str(package), skip_model_load=True).get_spec()
     dtype_name = FeatureTypes_pb2.ArrayFeatureType.ArrayDataType.Name
 
     def features(items, state=False):
