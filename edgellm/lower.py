@@ -121,14 +121,9 @@ def _lean_passes() -> bool:
     ExecuTorch 1.5.x only. Returns whether it is installed."""
     from executorch.version import __version__
 
-    from .backends import switch_workarounds, upstream_copies
+    from .backends import switch_workarounds
 
-    upstream = upstream_copies()
-    if not __version__.startswith("1.5."):
-        return False
-    from .backends import exir_lean
-
-    return switch_workarounds(exir_lean, upstream)
+    return switch_workarounds("exir_lean", __version__.startswith("1.5."))
 
 
 def lower(programs: dict[str, ExportedProgram], partitioners: list, constant_methods: dict,

@@ -58,8 +58,8 @@ HQQ = "hqq_scale_only"  # every recipe's scale search, as export_llm's (its `use
 GRID_BLOCK = 32  # GGUF's Q4_0 and Q4_1 blocks
 GRID_TYPES = ("Q4_0", "Q4_1")
 # While linears are quantized, the checkpoint pages of those already done are dropped once this
-# many float bytes have been (each drop reads /proc/self/smaps: ~20 ms, per linear 2.5 s of
-# LFM2.5-350M's 21 s stage)
+# many float bytes have been (each drop reads /proc/self/smaps: per linear, 3 of LFM2.5-350M's
+# 21 s stage)
 DROP_PAGES_EVERY = 64 << 20
 EMBEDDING_BACKENDS = ("xnnpack", "portable", "coreml")
 EMBEDDING_DEFAULT_GROUP = {8: 0, 4: 32}
@@ -356,10 +356,11 @@ def quantize(model, cfg, stored: dict | None = None) -> Quantized:
     grid_parts = {f"{n}.{part}" for n, m in model.named_modules() if isinstance(m, GridLinear)
                   for part in ("sums", "offset")}  # float by design
 
-    pending = [0]  # float bytes quantized since checkpoint pages were last dropped
+    pending = 0  # float bytes quantized since checkpoint pages were last dropped
 
     def choose(bits, at_least=0):
         def fits(module, fqn):
+            nonlocal pending
             if (not isinstance(module, nn.Linear) or fqn in grid_parts
                     or hasattr(module.weight, "qdata")  # a kept grid, already quantized
                     or module.weight.numel() < at_least):
@@ -374,10 +375,10 @@ def quantize(model, cfg, stored: dict | None = None) -> Quantized:
                 return False
             saved.append(module.weight.numel() * module.weight.element_size()
                          - _packed(module.weight, bits, g))
-            pending[0] += module.weight.nbytes
-            if pending[0] >= DROP_PAGES_EVERY:  # those of the linears quantized before this one
+            pending += module.weight.nbytes
+            if pending >= DROP_PAGES_EVERY:  # those of the linears quantized before this one
                 drop_checkpoint_pages()
-                pending[0] = 0
+                pending = 0
             if higher:
                 done.linears_at_8_bits.append(fqn)
             return True

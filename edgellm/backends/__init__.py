@@ -69,9 +69,14 @@ def upstream_copies() -> bool:
     return value == "1"
 
 
-def switch_workarounds(lean, upstream: bool) -> bool:
-    """Install a `*_lean` module's workarounds, or put upstream's methods back when `upstream`
-    (EDGELLM_UPSTREAM_COPIES=1). Idempotent; returns whether they are installed."""
+def switch_workarounds(name: str, applies: bool) -> bool:
+    """Install the workarounds of the `*_lean` module `name` of this package when `applies` (the
+    versions they were written for are the ones installed), or put upstream's methods back when
+    EDGELLM_UPSTREAM_COPIES=1. Idempotent; returns whether they are installed."""
+    upstream = upstream_copies()  # a bad value is refused whatever the versions
+    if not applies:
+        return False
+    lean = importlib.import_module(f"{__name__}.{name}")
     if upstream:
         lean.restore()
     else:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import VerificationError
-from . import Backend, switch_workarounds, upstream_copies
+from . import Backend, switch_workarounds
 
 COMPUTE_UNITS = ("cpu_only", "cpu_and_gpu", "cpu_and_ne", "all")
 PRECISIONS = ("fp16", "fp32")
@@ -89,12 +89,8 @@ def _lean_lowering() -> None:
     import coremltools
     from executorch.version import __version__
 
-    upstream = upstream_copies()
-    if not (__version__.startswith("1.5.") and coremltools.__version__.startswith("9.")):
-        return
-    from . import coreml_lean
-
-    switch_workarounds(coreml_lean, upstream)
+    switch_workarounds("coreml_lean", __version__.startswith("1.5.")
+                       and coremltools.__version__.startswith("9."))
 
 
 # --- What the program ships: each Core ML payload, described and checked against the policy ----

@@ -16,7 +16,8 @@ tensor argument is a fake tensor of one mode; anything else runs as before. The 
 
 `install()` wraps `_fx` of ExecuTorch's ExportPass and of torch.export's older pass base (which
 some of ExecuTorch's aten-to-edge passes still use); `restore()` puts them back
-(EDGELLM_UPSTREAM_COPIES=1). Imported only by `lower._lean_passes`, after its version check.
+(EDGELLM_UPSTREAM_COPIES=1). Imported only by `switch_workarounds` for `lower._lean_passes`,
+after its version check.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ Lowering shares the weights with ExecuTorch instead of letting it copy them twic
 xnnpack_lean.py); EDGELLM_UPSTREAM_COPIES=1 lowers exactly as ExecuTorch does, to compare.
 """
 
-from . import Backend, switch_workarounds, upstream_copies
+from . import Backend, switch_workarounds
 
 
 def _partitioners(options) -> list:
@@ -51,12 +51,7 @@ def _lean_preprocess() -> bool:
     whether edgellm's workarounds apply (the partitioner's too)."""
     from executorch.version import __version__
 
-    upstream = upstream_copies()
-    if not __version__.startswith("1.5."):
-        return False
-    from . import xnnpack_lean
-
-    return switch_workarounds(xnnpack_lean, upstream)
+    return switch_workarounds("xnnpack_lean", __version__.startswith("1.5."))
 
 
 BACKEND = Backend(

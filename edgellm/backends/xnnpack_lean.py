@@ -18,7 +18,8 @@ And it spends half its lowering time retracing graphs nothing changed:
 wraps `preprocess` so that a buffer equal to a weight's storage is written from that storage, and
 runs XNNPACK's passes skipping the retrace of a graph its pass left unchanged (`_RetraceGuard`);
 `restore()` puts ExecuTorch's own methods back. No ExecuTorch source is rewritten, and the .pte is
-byte-identical either way. Imported only by `xnnpack._lean_preprocess`, after its version check.
+byte-identical either way. Imported only by `switch_workarounds` for `xnnpack._lean_preprocess`,
+after its version check.
 
 What remains of the peak: one partition's `bytes` while its preprocess runs (the 256 MB head is
 the largest), the emitter's `bytes` of the undelegated embedding table (exir/emit/_emitter.py,
