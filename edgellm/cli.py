@@ -6,10 +6,12 @@ Exit codes: 0 success, 1 verification failed, 2 bad input.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 
 from .errors import EdgeLLMError
+from .progress import YOUNG_COLLECTION_EVERY
 
 
 def _export_parser(sub):
@@ -220,5 +222,18 @@ def _origin(e: BaseException) -> str:
     return f" in {name.split('.')[0]}" if name else ""
 
 
+def command() -> int:
+    """The `edgellm` command: `main`, then every object still alive moved out of the cycle
+    collector's sight (`gc.freeze`), since the process ends next. Python's own collections while
+    it shuts down would otherwise traverse what the run left, about 600 000 objects, more than
+    once: 1.4 s of a Core ML export of LFM2.5-350M, for nothing (the files are written and
+    closed, temporary folders removed).
+    Not in `main`, which tests and other Python code call in processes that go on."""
+    gc.set_threshold(YOUNG_COLLECTION_EVERY, *gc.get_threshold()[1:])
+    code = main()
+    gc.freeze()
+    return code
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(command())

@@ -21,7 +21,8 @@ from . import report as reports
 from .backends import plan_for
 from .config import ExportConfig, dump_yaml
 from .errors import InputError
-from .progress import Stages, drop_checkpoint_pages, peak_rss_mb, release_memory
+from .progress import (Stages, drop_checkpoint_pages, long_run_collector, peak_rss_mb,
+                       release_memory)
 
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -106,12 +107,15 @@ def export(cfg: ExportConfig, quiet: bool = False) -> dict:
     check_destination(dest, cfg.force)
     plan = plan_for(cfg)  # refuses unavailable backends before any heavy work
     stages = Stages(quiet=quiet)
-    with staging(dest, cfg.force) as tmp:
+    with staging(dest, cfg.force) as tmp, contextlib.ExitStack() as run:
         with stages.stage("load"):
+            partitioners = plan.partitioners()  # imports the backends' toolchains
             source = load_source(cfg.model, params=cfg.params, model_class=cfg.model_class,
                                  tokenizer=cfg.tokenizer)
             source.bos_id = source.bos_id if cfg.bos_id is None else cfg.bos_id
             source.eos_ids = source.eos_ids if cfg.eos_ids is None else cfg.eos_ids
+        # what was imported and read so far lives to the end: collections skip it from here
+        run.enter_context(long_run_collector())
         with stages.stage("build"):
             opts = plan.model_options(cfg.context_len)
             model = build_model(source.hf_config, source.state_dict, opts,
@@ -135,7 +139,7 @@ def export(cfg: ExportConfig, quiet: bool = False) -> dict:
             release_memory()  # the module graph holds cycles; free it before lowering
         with stages.stage("lower"):
             meta = metadata(cfg, source, plan.dynamic_shapes, opts.attention == "custom_ops")
-            lowered = lower(programs, plan.partitioners(), meta, cfg.etrecord,
+            lowered = lower(programs, partitioners, meta, cfg.etrecord,
                             quant_fusion=cfg.embedding_quantize is not None,
                             dedupe=bool(done and done.linears_on_source_grid))
             del programs

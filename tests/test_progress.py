@@ -1,17 +1,20 @@
 """Progress of long work: one line per stage with its wall time and the process's peak RSS, the same
 figures in report.json, a live line while a stage runs on a terminal, nothing with --quiet."""
 
+import gc
 import io
 import json
 import os
 import re
 import time
+import weakref
 
 import pytest
 import torch
 
 from edgellm import progress
 from edgellm.cli import main
+from edgellm.config import ExportConfig
 from edgellm.progress import Stages
 
 LINE = re.compile(r"^\[edgellm\] (\w+) +([\d.]+) s   peak RSS +(\d+) MB$")
@@ -87,3 +90,50 @@ def test_checkpoint_pages_are_dropped_unless_written(tmp_path):
     assert all(torch.equal(mapped[k], weights[k]) for k in weights)  # faulted back in
     assert other["b"][0, 0] == 1.0
     assert progress.drop_mapped_pages([]) == 0
+
+
+def test_export_sets_the_cycle_collector_for_its_run_and_puts_it_back(tiny_models, tmp_path,
+                                                                      monkeypatch):
+    """From the end of `load` the objects alive are frozen and young collections wait (see
+    progress.long_run_collector); the caller's collector comes back as it was, also when a stage
+    fails."""
+    from edgellm import pipeline
+
+    before, seen = gc.get_threshold(), []
+    monkeypatch.setattr(pipeline, "release_memory", lambda: seen.append(
+        (gc.get_freeze_count(), gc.get_threshold())))
+    model = str(tiny_models["llama"][0])
+    assert main(["export", model, "-o", str(tmp_path / "o"), "--max-seq-len", "16",
+                 "--no-verify"]) == 0
+    assert seen and all(n > 10_000 and t[0] == progress.YOUNG_COLLECTION_EVERY for n, t in seen)
+    assert gc.get_freeze_count() == 0 and gc.get_threshold() == before
+
+    def fail(*a, **k):
+        raise RuntimeError("lowering failed")
+
+    monkeypatch.setattr("edgellm.lower.lower", fail)  # export imports it when it runs
+    with pytest.raises(RuntimeError, match="lowering failed"):
+        pipeline.export(ExportConfig(model=model, output=str(tmp_path / "f"), max_seq_len=16,
+                                     verify=False), quiet=True)
+    assert gc.get_freeze_count() == 0 and gc.get_threshold() == before
+
+
+def test_the_long_run_still_frees_the_cycles_it_drops_and_keeps_a_callers_freeze():
+    class Node:
+        pass
+
+    with progress.long_run_collector():
+        node = Node()
+        node.itself, node.payload = node, torch.zeros(1 << 20)
+        alive = weakref.ref(node)
+        del node
+        progress.release_memory()
+        assert alive() is None
+    gc.freeze()
+    frozen = gc.get_freeze_count()
+    try:
+        with progress.long_run_collector():
+            assert gc.get_freeze_count() == frozen
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()
