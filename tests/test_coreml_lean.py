@@ -94,3 +94,43 @@ def test_partitioners_install_the_workarounds_for_these_versions_only(lean, monk
     monkeypatch.setattr(executorch.version, "__version__", "1.6.0")
     coreml._partitioners(coreml.CoreMLOptions())
     assert not lean.installed()
+
+
+def test_mil_pipelines_validate_once_and_still_catch_a_broken_pass(lean, monkeypatch):
+    """coremltools validates before a pipeline and after each pass; the lean pipeline once, after
+    its last pass, with that pass's check. A pass that breaks the program still fails."""
+    from coremltools.converters.mil.mil import Builder as mb
+    from coremltools.converters.mil.mil import Program, types
+    from coremltools.converters.mil.mil.block import InvalidBlockStateError
+    from coremltools.converters.mil.mil.passes.graph_pass import AbstractGraphPass
+    from coremltools.converters.mil.mil.passes.pass_pipeline import (PassPipeline,
+                                                                       PassPipelineManager)
+    from coremltools.converters.mil.mil.passes.pass_registry import PASS_REGISTRY
+
+    @mb.program(input_specs=[mb.TensorSpec(shape=(2, 3), dtype=types.fp32)])
+    def prog(x):
+        return mb.relu(x=mb.add(x=x, y=1.0))
+
+    checks = []
+    real = Program.validate
+    monkeypatch.setattr(Program, "validate",
+                        lambda self, check_essential_scope=False: checks.append(
+                            check_essential_scope) or real(self, check_essential_scope))
+    pipeline = PassPipeline.DEFAULT
+    lean.install()
+    PassPipelineManager.apply_pipeline(prog, pipeline)
+    assert pipeline.passes[-1] == "common::dead_code_elimination" and checks == [True]
+    lean.restore()
+    PassPipelineManager.apply_pipeline(prog, pipeline)
+    assert len(checks) == 2 + len(pipeline.passes)
+
+    class BreakIt(AbstractGraphPass):  # relu's input forgets that relu consumes it
+        def apply(self, program):
+            relu = program.functions["main"].find_ops(op_type="relu")[0]
+            relu.x._child_ops.remove(relu)
+
+    monkeypatch.setitem(PASS_REGISTRY.passes, "test::break_it", BreakIt)
+    broken = PassPipeline(pass_names=["test::break_it", "common::const_elimination"])
+    lean.install()
+    with pytest.raises(InvalidBlockStateError, match="should be consumed by op"):
+        PassPipelineManager.apply_pipeline(prog, broken)
