@@ -11,6 +11,7 @@ import json
 import sys
 
 from .errors import EdgeLLMError
+from .openmp import one_thread_per_team
 from .progress import YOUNG_COLLECTION_EVERY
 
 
@@ -188,6 +189,8 @@ def main(argv=None) -> int:
         a.args += extra  # MODEL and key=value may come after the options too
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if a.command in ("bench", "generate"):  # they only run programs (edgellm/openmp.py);
+        one_thread_per_team()  # before anything imports torch
     if not a.debug:
         quiet_libraries()
     run = {"export": cmd_export, "generate": cmd_generate, "models": cmd_models,

@@ -2,6 +2,9 @@
 benchmarks live in bench/, not in timed tests)."""
 
 import json
+import os
+import subprocess
+import sys
 
 import edgellm
 from edgellm.cli import main
@@ -42,3 +45,40 @@ def test_bench_refuses_prompts_longer_than_the_cache(tiny_models, tmp_path, caps
                    max_seq_len=8, verify=False, quiet=True)
     assert main(["bench", str(tmp_path / "x"), "--prompt-lengths", "64"]) == 2
     assert "exceeds max_context_len 8" in capsys.readouterr().err
+
+
+def test_bench_runs_programs_with_one_thread_per_openmp_team(tiny_models, tmp_path):
+    """`edgellm bench` (its own process) sets OMP_NUM_THREADS=1 before torch loads OpenMP, unless
+    the user set it; the figures say which (edgellm/openmp.py)."""
+    edgellm.export(tiny_models["llama"][0], output=tmp_path / "x", backends="xnnpack",
+                   max_seq_len=8, verify=False, quiet=True)
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    for setting, expected in ((None, "1"), ("2", "2")):
+        run_env = env if setting is None else {**env, "OMP_NUM_THREADS": setting}
+        out = subprocess.run([sys.executable, "-m", "edgellm.cli", "bench", str(tmp_path / "x"),
+                              "--prompt-lengths", "4", "--steps", "2", "--repeats", "1"],
+                             env=run_env, capture_output=True, text=True, check=True).stdout
+        assert json.loads(out.strip().splitlines()[-1])["omp_num_threads"] == expected
+
+
+def test_openmp_is_left_alone_once_torch_is_imported():
+    code = ("import os, torch\nfrom edgellm.openmp import one_thread_per_team\n"
+            "print(one_thread_per_team(), os.environ.get('OMP_NUM_THREADS'))")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True).stdout
+    assert out.split() == ["None", "None"]
+
+
+def test_bandwidth_puts_torch_threads_back():
+    import torch
+
+    from edgellm.benchmark import bandwidth_gbs
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert bandwidth_gbs(megabytes=16, repeats=1) > 0.1
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)
