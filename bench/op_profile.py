@@ -11,9 +11,9 @@ adds a few microseconds per event, so totals read a little above `edgellm bench`
 is one JSON object with every figure.
 
 The GEMMs' share says what a faster program could still win: decode that is nearly all GEMM is
-bound by XNNPACK's kernels (and so by memory bandwidth), whatever the graph around them. Run it
-with OMP_NUM_THREADS=1: `llama::custom_sdpa` calls a BLAS whose OpenMP threads otherwise contend
-with XNNPACK's threadpool in this Python process, which makes its prefill time vary several-fold.
+bound by XNNPACK's kernels (and so by memory bandwidth), whatever the graph around them. It runs
+with OMP_NUM_THREADS=1 unless set (edgellm/openmp.py: `llama::custom_sdpa`'s BLAS otherwise starts
+OpenMP teams that contend with XNNPACK's threadpool in this Python process).
 """
 
 from __future__ import annotations
@@ -25,6 +25,10 @@ import re
 import sys
 import tempfile
 from pathlib import Path
+
+from edgellm.openmp import one_thread_per_team
+
+one_thread_per_team()  # before torch is imported
 
 
 def profile(pte: Path, prompt_len: int, steps: int) -> dict:

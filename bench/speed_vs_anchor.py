@@ -18,10 +18,14 @@ import json
 import statistics
 from pathlib import Path
 
-import torch
+from edgellm.openmp import one_thread_per_team
 
-from edgellm.benchmark import bandwidth_gbs, decode_step, timed
-from edgellm.runtime import Program, native_logs
+one_thread_per_team()  # before torch is imported (edgellm/openmp.py); both programs alike
+
+import torch  # noqa: E402
+
+from edgellm.benchmark import bandwidth_gbs, decode_step, timed  # noqa: E402
+from edgellm.runtime import Program, native_logs  # noqa: E402
 
 
 def measure(program, prompt: list[int], steps: int, calls: int = 3) -> tuple[float, float]:
