@@ -52,3 +52,20 @@ def test_core_ml_programs_are_the_same_from_two_processes(tiny_models, tmp_path,
                         "--no-verify", "--quiet", *extra], check=True, capture_output=True)
     first, second = ((tmp_path / n / "model.pte").read_bytes() for n in "ab")
     assert len(first) > 10_000 and first == second
+
+
+def test_core_ml_programs_do_not_depend_on_mil_built_before(tiny_models, tmp_path):
+    """coremltools numbers MIL ops by a counter it clears after a conversion, not before: a MIL
+    program built earlier in the process must not rename the ops of the next export."""
+    from coremltools.converters.mil.mil import Builder as mb
+    from coremltools.converters.mil.mil import types
+
+    options = dict(backends="coreml", max_seq_len=8, verify=False, quiet=True)
+    edgellm.export(tiny_models["llama"][0], output=tmp_path / "a", **options)
+
+    @mb.program(input_specs=[mb.TensorSpec(shape=(2, 3), dtype=types.fp32)])
+    def elsewhere(x):
+        return mb.relu(x=mb.add(x=x, y=1.0))
+
+    edgellm.export(tiny_models["llama"][0], output=tmp_path / "b", **options)
+    assert (tmp_path / "a" / "model.pte").read_bytes() == (tmp_path / "b" / "model.pte").read_bytes()

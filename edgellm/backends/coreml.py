@@ -75,8 +75,21 @@ def _partitioners(options: CoreMLOptions) -> list:
     from executorch.backends.apple.coreml.partition import CoreMLPartitioner
 
     _lean_lowering()
+    _fresh_op_names()
     return [CoreMLPartitioner(compile_specs=compile_specs(options),
                               take_over_mutable_buffer=options.state == "coreml")]
+
+
+def _fresh_op_names() -> None:
+    """MIL op names count from zero in this export's conversion, as in a fresh process.
+    coremltools numbers ops by a class-level counter that it clears after each conversion, not
+    before, so a MIL program built earlier in the process (outside `ct.convert`) renamed every op
+    of the next conversion, and the payload's content-derived identifier with them."""
+    try:
+        from coremltools.converters.mil.converter import _reset_conversion_state
+    except ImportError:  # another coremltools: its conversions number ops their own way
+        return
+    _reset_conversion_state()
 
 
 def _lean_lowering() -> None:
