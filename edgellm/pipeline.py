@@ -120,21 +120,35 @@ def export(cfg: ExportConfig, quiet: bool = False) -> dict:
             opts = plan.model_options(cfg.context_len)
             model = build_model(source.hf_config, source.state_dict, opts,
                                 TORCH_DTYPES[cfg.dtype])
-            source.state_dict = {}  # the model holds the tensors now
+        check = None  # verification's work, done as the export goes (verification.Verification)
+        quantizing = bool(cfg.quantize or cfg.embedding_quantize)
+        if cfg.verify:  # after build, which names what does not fit in the checkpoint
+            with stages.stage("reference"):
+                from .verification import Verification
+
+                source.write_tokenizer(tmp)  # the text it measures along is tokenized with it
+                check = Verification(cfg, plan, source, tmp, model=model)
+                if check.expected is None and not quantizing:  # fp16, bf16
+                    check.expect(model)
+        source.state_dict = {}  # the model holds the tensors now
         drop_checkpoint_pages()  # pages of checkpoint weights the build replaced
         weights_per_token, done = weight_bytes(model), None
-        if cfg.quantize or cfg.embedding_quantize:
+        if quantizing:
             with stages.stage("quantize"):
                 from .quantize import quantize
 
                 done = quantize(model, cfg, source.stored_types)
                 weights_per_token -= done.bytes_saved
+                if check:  # the program's numerics, from this model: not quantized a second time
+                    check.expect(model)
             drop_checkpoint_pages()  # and those quantization replaced
             for line in [] if quiet else done.notes():
                 print(line, file=sys.stderr, flush=True)
         with stages.stage("export"):
             programs = export_methods(model, cfg.max_seq_len, plan.dynamic_shapes,
                                       cfg.prefill_chunk)
+            if check and check.stand_in_needed:  # the graph the undelegable program came from
+                check.stand_in(programs["forward"])
             del model
             release_memory()  # the module graph holds cycles; free it before lowering
         with stages.stage("lower"):
@@ -160,12 +174,10 @@ def export(cfg: ExportConfig, quiet: bool = False) -> dict:
         if done:
             rep["quantization"] = done.report()
         reports.write(rep, tmp)
-        if cfg.verify:
+        if check:
             release_memory()
             with stages.stage("verify"):
-                from .verification import verify
-
-                rep["verify"] = verify(tmp)
+                rep["verify"] = check.finish(tmp)
             rep["stages"], rep["wall_s"], rep["peak_rss_mb"] = (stages.records, stages.wall_s,
                                                                 peak_rss_mb())
             reports.write(rep, tmp)
@@ -190,7 +202,7 @@ def write_outputs(folder: Path, cfg: ExportConfig, source, lowered) -> dict:
     paths = {k: str(Path(v).resolve()) for k, v in (("model", source.origin),
              ("params", cfg.params), ("tokenizer", cfg.tokenizer)) if v is not None}
     (folder / "config.yaml").write_text(dump_yaml(dataclasses.replace(cfg, **paths)))
-    if source.write_tokenizer(folder):
+    if (folder / "tokenizer.json").is_file() or source.write_tokenizer(folder):  # verify's first
         files["tokenizer"] = "tokenizer.json"
     if cfg.etrecord:
         lowered.program.get_etrecord().save(str(folder / "etrecord.bin"))

@@ -25,6 +25,7 @@ whose greedy token differs. Thresholds depend on dtype and quantization.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -109,12 +110,15 @@ def measure(level: str, actual: list, expected: list, limits: tuple, note: str =
 def verify(target, steps: int = 8) -> dict:
     """Verify an export folder (or its model.pte) against the checkpoint its config.yaml names.
     Returns {"passed", "checks": [...], "perplexity"}; raises nothing for a failed check (see
-    `enforce`). One model is alive at a time: transformers, then the eager model, then the
-    program."""
+    `enforce`). One model is alive at a time: transformers, then the eager models, then the
+    program. An export with verification does the same work as it goes (`Verification`), with
+    the eager model it built instead of a second one."""
     from . import resolve_config
+    from .architectures import build_model
     from .backends import plan_for
+    from .capture import export_forward
+    from .pipeline import TORCH_DTYPES
     from .progress import release_memory
-    from .runtime import native_logs
     from .sources import load_source
 
     folder = Path(target).parent if Path(target).suffix == ".pte" else Path(target)
@@ -124,58 +128,154 @@ def verify(target, steps: int = 8) -> dict:
     cfg = resolve_config(config=folder / "config.yaml")
     plan = plan_for(cfg)
     source = load_source(cfg.model, params=cfg.params, model_class=cfg.model_class)
-    steps = max(1, min(steps, cfg.context_len // 2))  # prompt and steps fit in the cache
-    longest = min(cfg.max_seq_len, cfg.context_len - steps)
-    text = text_tokens(folder, cfg.context_len)
-    reference = transformers_model(source)
-    runs = [(p, *reference_run(reference, p, steps))
-            for p in prompts(source.hf_config.vocab_size, longest, text)]
-    cases, ref = [(p, t) for p, t, _ in runs], [logits for _, _, logits in runs]
-    if text:
-        with torch.no_grad():
-            ref_text = reference(torch.tensor([text])).logits[0, :-1].float()
-    del reference, runs
-    release_memory()  # transformers' modules hold cycles too
+    check = Verification(cfg, plan, source, folder, steps)
+    if check.expected is None or check.stand_in_needed:  # built as the program was
+        eager = build_model(source.hf_config, dict(source.state_dict),
+                            plan.model_options(cfg.context_len), TORCH_DTYPES[cfg.dtype])
+        if check.quantized:
+            from .quantize import quantize
 
-    def collect(forward, prefill):  # eager custom ops log from C++ like the runtime's kernels
-        with torch.no_grad(), native_logs():
-            return [run_steps(forward, prefill, p, t) for p, t in cases]
+            quantize(eager, cfg, source.stored_types)
+        if check.expected is None:
+            check.expect(eager)
+        if check.stand_in_needed:
+            check.stand_in(export_forward(eager, cfg.max_seq_len, plan.dynamic_shapes))
+        del eager
+    source.state_dict = {}  # the program holds its own weights; drop ours first
+    release_memory()  # modules hold cycles (bound hooks): free the eager model now
+    return check.finish(folder)
 
-    checks, expected, limits, stand_in = eager_checks(cfg, plan, source, collect, ref)
-    if stand_in is None:  # the program runs here
-        from .runtime import Program
 
-        source.state_dict = {}  # the program holds its own weights; drop ours first
-        release_memory()  # modules hold cycles (bound hooks): free the eager model now
-        program = Program(folder / "model.pte")
-        candidate, level, note = (program.forward, program.prefill), "program", ""
-    else:
-        names = ", ".join(b.name for b in plan.backends if not b.runs_here)
-        candidate, level = stand_in, "exported graph"
-        note = (f"the {names} delegate was not executed: this machine's ExecuTorch runtime "
-                "cannot run it; the exported graph before lowering was checked")
-    actual = collect(*candidate)
-    checks.append(measure(level, actual, expected, limits, note=note))
-    if not checks[-1].passed and (cfg.quantize or cfg.embedding_quantize):
-        checks[-1] = kernel_rounding(checks[-1], actual, expected, ref)
-    if text:
-        with torch.no_grad(), native_logs():
-            text_logits = run_steps(candidate[0], candidate[1], text[:1], text[1:])
-    if cfg.quantize or cfg.embedding_quantize:  # what the recipe costs, against the float model
-        # natural text where there is a tokenizer: random ids give a real model flat logits
-        # whose argmax a small error flips, which says little about the recipe
-        on = ((f"along {len(text)} tokens of {TEXT.name}", [text_logits], [ref_text]) if text
-              else ("on the prompts", actual, ref))
-        checks.append(recipe_cost(cfg, level, *on))
-    result = {"passed": all(c.passed for c in checks), "steps": steps,
-              "prompts": [len(p) for p, _ in cases], "checks": [asdict(c) for c in checks]}
-    if text:
-        agree = (text_logits.argmax(-1) == ref_text.argmax(-1)).float().mean()
-        result["perplexity"] = {"text": TEXT.name, "tokens": len(text),
-                                "transformers_fp32": round(perplexity(ref_text, text), 4),
-                                level.replace(" ", "_"): round(perplexity(text_logits, text), 4),
-                                "top1_vs_fp32": round(float(agree), 4)}
-    return result
+class Verification:
+    """verify's work in the order an export can feed it, so that an export checks the eager model
+    it built and quantized instead of building and quantizing a second one (for 8da4w, the
+    quantize stage's cost again):
+
+    1. `Verification(...)`: transformers' greedy continuations and logits on the prompts and
+       along the shipped text, then the rewrite check (edgellm's model in fp32: the export's,
+       or one built here, against transformers);
+    2. `expect(model)`: the eager model built as the program was (dtype, quantization) gives the
+       logits the program must match; an fp32 program without quantization has them from 1.;
+    3. `stand_in(exported)`: for programs this machine cannot run, the exported graph before
+       lowering stands in for the program (`stand_in_needed`);
+    4. `finish(folder)`: the program itself where it runs, the quantization cost against fp32,
+       perplexity; returns verify's result.
+
+    Each run puts the module's buffers (caches, conv states) back as they were, so a model checked
+    before it is exported exports the same program."""
+
+    def __init__(self, cfg, plan, source, folder: Path, steps: int = 8, model=None):
+        """`model`: edgellm's model as the export built it, before quantization (its rewrite check
+        runs on it when it is fp32; else an fp32 one is built here)."""
+        from .architectures import build_model
+        from .progress import release_memory
+
+        self.cfg, self.plan = cfg, plan
+        self.steps = max(1, min(steps, cfg.context_len // 2))  # prompt and steps fit the cache
+        longest = min(cfg.max_seq_len, cfg.context_len - self.steps)
+        self.text = text_tokens(folder, cfg.context_len)
+        reference = transformers_model(source)
+        runs = [(p, *reference_run(reference, p, self.steps))
+                for p in prompts(source.hf_config.vocab_size, longest, self.text)]
+        self.cases, self.ref = [(p, t) for p, t, _ in runs], [logits for _, _, logits in runs]
+        self.ref_text = None
+        if self.text:
+            with torch.no_grad():
+                self.ref_text = reference(torch.tensor([self.text])).logits[0, :-1].float()
+        del reference, runs
+        release_memory()  # transformers' modules hold cycles too
+        if model is not None and cfg.dtype == "fp32":
+            actual = self.collect(model, eager_prefill(model))
+        else:
+            opts = plan.model_options(cfg.context_len)
+            eager = build_model(source.hf_config, dict(source.state_dict), opts, torch.float32)
+            actual = self.collect(eager, eager_prefill(eager))
+            del eager
+            release_memory()
+        self.checks = [measure("rewrite", actual, self.ref, THRESHOLDS["fp32"])]
+        self.quantized = bool(cfg.quantize or cfg.embedding_quantize)
+        self.limits = THRESHOLDS["quantized" if self.quantized else cfg.dtype]
+        # the program's own numerics are these when it is built exactly as the rewrite was
+        self.expected = actual if cfg.dtype == "fp32" and not self.quantized else None
+        self.stand_in_needed = not all(b.runs_here for b in plan.backends)
+        self.candidate = None  # (actual, text logits) of the exported graph, by stand_in
+
+    def collect(self, forward, prefill) -> list:
+        """Logits along every case; eager custom ops log from C++ like the runtime's kernels."""
+        from .runtime import native_logs
+
+        module = forward if isinstance(forward, torch.nn.Module) else None
+        with torch.no_grad(), native_logs(), kept_buffers(module):
+            return [run_steps(forward, prefill, p, t) for p, t in self.cases]
+
+    def expect(self, model) -> None:
+        self.expected = self.collect(model, eager_prefill(model))
+
+    def stand_in(self, exported) -> None:
+        """The exported graph (an ExportedProgram of `forward`) in place of the program."""
+        from .runtime import native_logs
+
+        graph = exported.module()
+        prefill = eager_prefill(graph) if self.plan.dynamic_shapes else one_by_one(graph)
+        actual = self.collect(graph, prefill)
+        text_logits = None
+        if self.text:
+            with torch.no_grad(), native_logs(), kept_buffers(graph):
+                text_logits = run_steps(graph, prefill, self.text[:1], self.text[1:])
+        self.candidate = (actual, text_logits)
+
+    def finish(self, folder: Path) -> dict:
+        from .runtime import native_logs
+
+        cfg, checks, expected = self.cfg, list(self.checks), self.expected
+        if self.stand_in_needed:
+            names = ", ".join(b.name for b in self.plan.backends if not b.runs_here)
+            level = "exported graph"
+            note = (f"the {names} delegate was not executed: this machine's ExecuTorch runtime "
+                    "cannot run it; the exported graph before lowering was checked")
+            actual, text_logits = self.candidate
+        else:
+            from .runtime import Program
+
+            program = Program(folder / "model.pte")
+            level, note = "program", ""
+            actual = self.collect(program.forward, program.prefill)
+            if self.text:
+                with torch.no_grad(), native_logs():
+                    text_logits = run_steps(program.forward, program.prefill, self.text[:1],
+                                            self.text[1:])
+        checks.append(measure(level, actual, expected, self.limits, note=note))
+        if not checks[-1].passed and self.quantized:
+            checks[-1] = kernel_rounding(checks[-1], actual, expected, self.ref)
+        if self.quantized:  # what the recipe costs, against the float model
+            # natural text where there is a tokenizer: random ids give a real model flat logits
+            # whose argmax a small error flips, which says little about the recipe
+            on = ((f"along {len(self.text)} tokens of {TEXT.name}", [text_logits],
+                   [self.ref_text]) if self.text else ("on the prompts", actual, self.ref))
+            checks.append(recipe_cost(cfg, level, *on))
+        result = {"passed": all(c.passed for c in checks), "steps": self.steps,
+                  "prompts": [len(p) for p, _ in self.cases],
+                  "checks": [asdict(c) for c in checks]}
+        if self.text:
+            agree = (text_logits.argmax(-1) == self.ref_text.argmax(-1)).float().mean()
+            result["perplexity"] = {
+                "text": TEXT.name, "tokens": len(self.text),
+                "transformers_fp32": round(perplexity(self.ref_text, self.text), 4),
+                level.replace(" ", "_"): round(perplexity(text_logits, self.text), 4),
+                "top1_vs_fp32": round(float(agree), 4)}
+        return result
+
+
+@contextlib.contextmanager
+def kept_buffers(module):
+    """The module's buffers (KV caches, conv states) put back as they were after the block: a
+    model run here may still be exported, and torch.export keeps buffers' values."""
+    saved = [] if module is None else [(b, b.clone()) for b in module.buffers()]
+    try:
+        yield
+    finally:
+        for buffer, value in saved:
+            buffer.copy_(value)
 
 
 TEXT = Path(__file__).parent / "data" / "perplexity.txt"
@@ -231,38 +331,6 @@ def perplexity(logits: torch.Tensor, ids: list[int]) -> float:
     """exp of the mean negative log-likelihood of ids[1:] given logits row i for ids[i + 1]."""
     nll = torch.nn.functional.cross_entropy(logits.float(), torch.tensor(ids[1:]))
     return float(nll.exp())
-
-
-def eager_checks(cfg, plan, source, collect, ref) -> tuple:
-    """The rewrite check, then what the program check compares with: (checks, expected logits,
-    limits, stand_in) where stand_in is (forward, prefill) of the exported graph for programs
-    this machine cannot run, else None."""
-    from .architectures import build_model
-    from .capture import export_forward
-    from .pipeline import TORCH_DTYPES
-    from .progress import release_memory
-
-    opts = plan.model_options(cfg.context_len)
-    eager = build_model(source.hf_config, dict(source.state_dict), opts, torch.float32)
-    actual = collect(eager, eager_prefill(eager))
-    checks = [measure("rewrite", actual, ref, THRESHOLDS["fp32"])]
-    quantized = bool(cfg.quantize or cfg.embedding_quantize)
-    if cfg.dtype != "fp32" or quantized:  # the program's own numerics: build it that way
-        del eager
-        release_memory()  # the float model goes before the quantized one is built
-        eager = build_model(source.hf_config, dict(source.state_dict), opts,
-                            TORCH_DTYPES[cfg.dtype])
-        if quantized:
-            from .quantize import quantize
-
-            quantize(eager, cfg, source.stored_types)
-        actual = collect(eager, eager_prefill(eager))
-    limits = THRESHOLDS["quantized" if quantized else cfg.dtype]
-    if all(b.runs_here for b in plan.backends):
-        return checks, actual, limits, None
-    graph = export_forward(eager, cfg.max_seq_len, plan.dynamic_shapes).module()
-    prefill = eager_prefill(graph) if plan.dynamic_shapes else one_by_one(graph)
-    return checks, actual, limits, (graph, prefill)
 
 
 def one_by_one(forward):

@@ -62,8 +62,8 @@ def test_outputs_and_report(xnnpack_exports):
     assert d["by_op"]["llama_custom_sdpa_default"]["non_delegated"] == 2
     assert d["non_delegated_nodes"] == sum(v["non_delegated"] for v in d["by_op"].values())
     assert on_disk["pte_bytes"] == (folder / "model.pte").stat().st_size
-    assert [s["name"] for s in on_disk["stages"]] == ["load", "build", "export", "lower",
-                                                      "serialize", "verify"]
+    assert [s["name"] for s in on_disk["stages"]] == ["load", "build", "reference", "export",
+                                                      "lower", "serialize", "verify"]
     assert on_disk["verify"]["passed"]
     kept = next(o for o in on_disk["preserved_ops"][0]["ops"] if o["op"] == "aten.linear.default")
     assert kept["status"] == "intact" and kept["in_delegates"] == kept["in_program"] > 0

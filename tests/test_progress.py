@@ -27,7 +27,7 @@ def test_stage_lines_match_the_report(tiny_models, tmp_path, capsys):
     lines = [LINE.match(x) for x in capsys.readouterr().err.splitlines() if x.startswith("[")]
     assert all(lines)
     report = json.loads((out / "report.json").read_text())
-    names = ["load", "build", "quantize", "export", "lower", "serialize", "verify"]
+    names = ["load", "build", "reference", "quantize", "export", "lower", "serialize", "verify"]
     assert [m[1] for m in lines] == [s["name"] for s in report["stages"]] == names
     for m, s in zip(lines, report["stages"]):
         assert abs(float(m[2]) - s["wall_s"]) <= 0.05 and abs(int(m[3]) - s["peak_rss_mb"]) <= 1

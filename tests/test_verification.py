@@ -87,3 +87,30 @@ def test_a_quantized_program_passes_as_kernel_rounding_only_when_as_close_to_fp3
         assert judged.passed is passes and judged.sqnr_db == check.sqnr_db
         assert judged.note.startswith("passed as kernel rounding: against fp32 the program "
                                       if passes else "not explained by kernel rounding: ")
+
+
+@pytest.mark.parametrize("arch, backend, options", [
+    ("llama", "xnnpack", {}),
+    ("llama", "xnnpack", {"quantize": "8da4w", "group_size": 32}),
+    ("lfm2", "coreml", {}),
+    ("lfm2", "coreml", {"quantize": "4w"})])
+def test_an_export_verifies_as_verify_does_with_one_quantization_and_the_same_program(
+        tiny_models, tmp_path, monkeypatch, arch, backend, options):
+    """The export checks the eager model it built and quantized (verification.Verification)
+    instead of building and quantizing a second one: the same figures as `edgellm verify` on the
+    folder afterwards, and the same program as an export without verification (the checks run
+    the model before it is exported and put its caches back)."""
+    from edgellm import quantize
+
+    quantized = []
+    monkeypatch.setattr(quantize, "quantize", lambda *a, _q=quantize.quantize, **k:
+                        quantized.append(1) or _q(*a, **k))
+    sizes = dict(max_seq_len=16, max_context_len=32, backends=backend, quiet=True, **options)
+    report = edgellm.export(tiny_models[arch][0], output=tmp_path / "v", **sizes)
+    assert len(quantized) == (1 if options else 0)
+    again = edgellm.verify(tmp_path / "v")
+    assert len(quantized) == (2 if options else 0)  # verify alone builds its own
+    assert report["verify"] == again
+    assert report["verify"]["passed"]
+    edgellm.export(tiny_models[arch][0], output=tmp_path / "n", verify=False, **sizes)
+    assert (tmp_path / "v" / "model.pte").read_bytes() == (tmp_path / "n" / "model.pte").read_bytes()
