@@ -226,11 +226,12 @@ def _origin(e: BaseException) -> str:
 
 
 def command() -> int:
-    """The `edgellm` command: `main`, then every object still alive moved out of the cycle
-    collector's sight (`gc.freeze`), since the process ends next. Python's own collections while
-    it shuts down would otherwise traverse what the run left, about 600 000 objects, more than
-    once: 1.4 s of a Core ML export of LFM2.5-350M, for nothing (the files are written and
-    closed, temporary folders removed).
+    """The `edgellm` command: `main` in a process set up for one run. Young collections wait for
+    YOUNG_COLLECTION_EVERY allocations from the start (with Python's 700, importing torch,
+    ExecuTorch and coremltools made eight full collections, 1.1 s), and afterwards every object
+    still alive leaves the collector's sight (`gc.freeze`): the collections while the interpreter
+    shuts down would otherwise traverse what the run left, about 600 000 objects, more than once
+    (1.4 s after a Core ML export of LFM2.5-350M) for nothing, the files being written and closed.
     Not in `main`, which tests and other Python code call in processes that go on."""
     gc.set_threshold(YOUNG_COLLECTION_EVERY, *gc.get_threshold()[1:])
     code = main()

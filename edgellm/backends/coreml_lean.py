@@ -21,8 +21,8 @@ swaps in an `fp16_overflow` that gives the same answer a million elements at a t
 underflow check that counts a constant's elements without copying it, lets the converted model
 drop its MIL program once it is saved (that save uses it for the debug-handle mapping; nothing
 after it does), and validates each pipeline's result once. `restore()` puts ExecuTorch's and
-coremltools' own back. The .pte is the same either way (tested). Imported only by `switch_workarounds` for `coreml._lean_lowering`,
-after its version check.
+coremltools' own back. The .pte is the same either way (tested). Imported only by
+`switch_workarounds` for `coreml._lean_lowering`, after its version check.
 """
 
 from __future__ import annotations
