@@ -162,7 +162,8 @@ class Verification:
        perplexity; returns verify's result.
 
     Each run puts the module's buffers (caches, conv states) back as they were, so a model checked
-    before it is exported exports the same program."""
+    before it is exported exports the same program. In an export, transformers runs beside the
+    export's model, on the checkpoint tensors that model shares or has just read."""
 
     def __init__(self, cfg, plan, source, folder: Path, steps: int = 8, model=None):
         """`model`: edgellm's model as the export built it, before quantization (its rewrite check
