@@ -23,11 +23,12 @@ from .errors import InputError
 
 def bandwidth_gbs(megabytes: int = 1024, repeats: int = 5) -> float:
     """Memory read bandwidth: the best of `repeats` sums over a tensor far larger than caches, on
-    every core (also when OMP_NUM_THREADS=1 keeps programs' OpenMP teams to one thread: see
+    every core this process may use (also when OMP_NUM_THREADS=1 keeps programs' OpenMP teams to one thread: see
     edgellm/openmp.py; torch's own threads here are this thread's setting, so it can be raised)."""
     x = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32)
     best, threads = float("inf"), torch.get_num_threads()
-    torch.set_num_threads(os.cpu_count() or threads)
+    torch.set_num_threads(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                          else os.cpu_count() or threads)  # the cores this process may use
     try:
         for _ in range(repeats):
             t0 = time.perf_counter()
