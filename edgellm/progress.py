@@ -53,13 +53,13 @@ YOUNG_COLLECTION_EVERY = 10_000  # allocations; Python's default is 700
 def long_run_collector(young: int = YOUNG_COLLECTION_EVERY):
     """Python's cycle collector set for one long export, and put back as it was after.
 
-    Importing torch, ExecuTorch, transformers and coremltools leaves about a million objects that
-    live as long as the process, and an export makes millions more (graph nodes, fake tensors, MIL
+    Importing torch, ExecuTorch, transformers and coremltools leaves about 530 000 objects that
+    live as long as the process, and an export makes many more (graph nodes, fake tensors, MIL
     ops). With the defaults (a young collection every 700 allocations, a full one whenever the
-    survivors grow by a quarter) the collector traversed all of them again and again: 4.1 s of a
-    25 s Core ML export of LFM2.5-350M, 2.3 s of it in automatic full collections. Here the
-    objects alive on entry move to the permanent generation (`gc.freeze`: collections skip them,
-    reference counting still frees them) and young collections wait for `young` allocations.
+    survivors grow by a quarter) the collector traversed them again and again: 4.1 s of a 25 s
+    Core ML export of LFM2.5-350M, 2.3 s of it in automatic collections. Here the objects alive
+    on entry move to the permanent generation (`gc.freeze`: collections skip them, reference
+    counting still frees them) and young collections wait for `young` allocations.
     Cycles a stage drops are still freed: `release_memory` collects between stages. A process
     that froze objects of its own before keeps its freeze (an unfreeze here would undo it)."""
     threshold, frozen = gc.get_threshold(), gc.get_freeze_count() == 0
