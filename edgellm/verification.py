@@ -25,7 +25,6 @@ whose greedy token differs. Thresholds depend on dtype and quantization.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -161,9 +160,10 @@ class Verification:
     4. `finish(folder)`: the program itself where it runs, the quantization cost against fp32,
        perplexity; returns verify's result.
 
-    Each run puts the module's buffers (caches, conv states) back as they were, so a model checked
-    before it is exported exports the same program. In an export, transformers runs beside the
-    export's model, on the checkpoint tensors that model shares or has just read."""
+    The runs leave the model's caches written; that changes no exported program, whose mutated
+    buffers keep only their shape and dtype (tested: the same bytes with and without
+    verification). In an export, transformers runs beside the export's model, on the checkpoint
+    tensors that model shares or has just read."""
 
     def __init__(self, cfg, plan, source, folder: Path, steps: int = 8, model=None):
         """`model`: edgellm's model as the export built it, before quantization (its rewrite check
@@ -205,8 +205,7 @@ class Verification:
         """Logits along every case; eager custom ops log from C++ like the runtime's kernels."""
         from .runtime import native_logs
 
-        module = forward if isinstance(forward, torch.nn.Module) else None
-        with torch.no_grad(), native_logs(), kept_buffers(module):
+        with torch.no_grad(), native_logs():
             return [run_steps(forward, prefill, p, t) for p, t in self.cases]
 
     def expect(self, model) -> None:
@@ -221,7 +220,7 @@ class Verification:
         actual = self.collect(graph, prefill)
         text_logits = None
         if self.text:
-            with torch.no_grad(), native_logs(), kept_buffers(graph):
+            with torch.no_grad(), native_logs():
                 text_logits = run_steps(graph, prefill, self.text[:1], self.text[1:])
         self.candidate = (actual, text_logits)
 
@@ -265,18 +264,6 @@ class Verification:
                 level.replace(" ", "_"): round(perplexity(text_logits, self.text), 4),
                 "top1_vs_fp32": round(float(agree), 4)}
         return result
-
-
-@contextlib.contextmanager
-def kept_buffers(module):
-    """The module's buffers (KV caches, conv states) put back as they were after the block: a
-    model run here may still be exported, and torch.export keeps buffers' values."""
-    saved = [] if module is None else [(b, b.clone()) for b in module.buffers()]
-    try:
-        yield
-    finally:
-        for buffer, value in saved:
-            buffer.copy_(value)
 
 
 TEXT = Path(__file__).parent / "data" / "perplexity.txt"
