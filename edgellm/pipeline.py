@@ -97,8 +97,6 @@ def metadata(cfg: ExportConfig, source, dynamic: bool, custom_sdpa: bool) -> dic
 
 def export(cfg: ExportConfig, quiet: bool = False) -> dict:
     """Run one export as configured; returns the report (also written as report.json)."""
-    from .architectures import build_model
-    from .architectures.layers import weight_bytes
     from .capture import export_methods
     from .lower import lower
     from .sources import load_source
@@ -116,34 +114,8 @@ def export(cfg: ExportConfig, quiet: bool = False) -> dict:
             source.eos_ids = source.eos_ids if cfg.eos_ids is None else cfg.eos_ids
         # what was imported and read so far lives to the end: collections skip it from here
         run.enter_context(long_run_collector())
-        with stages.stage("build"):
-            opts = plan.model_options(cfg.context_len)
-            model = build_model(source.hf_config, source.state_dict, opts,
-                                TORCH_DTYPES[cfg.dtype])
-        check = None  # verification's work, done as the export goes (verification.Verification)
-        quantizing = bool(cfg.quantize or cfg.embedding_quantize)
-        if cfg.verify:  # after build, which names what does not fit in the checkpoint
-            with stages.stage("reference"):
-                from .verification import Verification
-
-                source.write_tokenizer(tmp)  # the text it measures along is tokenized with it
-                check = Verification(cfg, plan, source, tmp, model=model)
-                if check.expected is None and not quantizing:  # fp16, bf16
-                    check.expect(model)
-        source.state_dict = {}  # the model holds the tensors now
-        drop_checkpoint_pages()  # pages of checkpoint weights the build replaced
-        weights_per_token, done = weight_bytes(model), None
-        if quantizing:
-            with stages.stage("quantize"):
-                from .quantize import quantize
-
-                done = quantize(model, cfg, source.stored_types)
-                weights_per_token -= done.bytes_saved
-                if check:  # the program's numerics, from this model: not quantized a second time
-                    check.expect(model)
-            drop_checkpoint_pages()  # and those quantization replaced
-            for line in [] if quiet else done.notes():
-                print(line, file=sys.stderr, flush=True)
+        opts = plan.model_options(cfg.context_len)
+        model, check, done, weights_per_token = eager_model(cfg, plan, opts, source, stages, tmp)
         with stages.stage("export"):
             programs = export_methods(model, cfg.max_seq_len, plan.dynamic_shapes,
                                       cfg.prefill_chunk)
@@ -186,6 +158,43 @@ def export(cfg: ExportConfig, quiet: bool = False) -> dict:
 
         enforce(rep["verify"], f"The program in {dest}")
     return rep
+
+
+def eager_model(cfg: ExportConfig, plan, opts, source, stages: Stages, folder: Path) -> tuple:
+    """The build, reference and quantize stages: (model, verification or None, quantization done
+    or None, weight bytes read per token). With verification, the reference stage checks the
+    model just built (before quantization) and quantize gives it the program's numerics, so
+    nothing is built or quantized twice (verification.Verification)."""
+    from .architectures import build_model
+    from .architectures.layers import weight_bytes
+
+    with stages.stage("build"):
+        model = build_model(source.hf_config, source.state_dict, opts, TORCH_DTYPES[cfg.dtype])
+    check, done = None, None
+    quantizing = bool(cfg.quantize or cfg.embedding_quantize)
+    if cfg.verify:  # after build, which names what does not fit in the checkpoint
+        with stages.stage("reference"):
+            from .verification import Verification
+
+            source.write_tokenizer(folder)  # the text it measures along is tokenized with it
+            check = Verification(cfg, plan, source, folder, model=model)
+            if check.expected is None and not quantizing:  # fp16, bf16
+                check.expect(model)
+    source.state_dict = {}  # the model holds the tensors now
+    drop_checkpoint_pages()  # pages of checkpoint weights the build replaced
+    weights_per_token = weight_bytes(model)
+    if quantizing:
+        with stages.stage("quantize"):
+            from .quantize import quantize
+
+            done = quantize(model, cfg, source.stored_types)
+            weights_per_token -= done.bytes_saved
+            if check:  # the program's numerics, from this model: not quantized a second time
+                check.expect(model)
+        drop_checkpoint_pages()  # and those quantization replaced
+        for line in [] if stages.quiet else done.notes():
+            print(line, file=sys.stderr, flush=True)
+    return model, check, done, weights_per_token
 
 
 def inspect_delegates(plan, pte: Path, states: dict) -> dict:
