@@ -4,7 +4,6 @@ table against the reference's anchor.jsonl (last line: one JSON object)."""
 import json
 import re
 import sys
-import time
 from pathlib import Path
 
 
@@ -16,29 +15,17 @@ def wall_and_rss(log: str):
 
 
 def decode_speed(pte: Path, prefill=64, steps=32):
-    """A 64-token prefill (the best of three calls) and the median of `steps` decode calls."""
+    """speed_vs_anchor's measure: a `prefill`-token prefill (the best of three calls) and the
+    median of `steps` decode calls."""
     import torch
+    from speed_vs_anchor import measure  # bench/, this script's folder
 
     from edgellm.runtime import Program
 
-    program = Program(pte)
-    tokens = torch.randint(0, 60000, (1, prefill), generator=torch.Generator().manual_seed(0))
-    prefill_s = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        out = program.forward(tokens, torch.tensor([0]))
-        prefill_s = min(prefill_s, time.perf_counter() - t0)
-    tok, pos, times = out[:, -1:].argmax(-1).view(1, 1) if out.dim() == 3 else \
-        out.argmax(-1).view(1, 1), prefill, []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        out = program.forward(tok, torch.tensor([pos]))
-        times.append(time.perf_counter() - t0)
-        tok, pos = out.argmax(-1).view(1, 1), pos + 1
-    times.sort()
-    return dict(prefill_tokens=prefill, prefill_tok_s=round(prefill / prefill_s, 1),
-                decode_ms_median=round(times[len(times) // 2] * 1e3, 2),
-                decode_tok_s=round(1 / times[len(times) // 2], 2))
+    prompt = torch.randint(0, 60000, (prefill,), generator=torch.Generator().manual_seed(0))
+    prefill_tok_s, decode_tok_s = measure(Program(pte), prompt.tolist(), steps)
+    return dict(prefill_tokens=prefill, prefill_tok_s=round(prefill_tok_s, 1),
+                decode_ms_median=round(1e3 / decode_tok_s, 2), decode_tok_s=round(decode_tok_s, 2))
 
 
 def summarize(config, folder, log):
@@ -84,12 +71,12 @@ def table(anchor_path, ours_path):
             "non_delegated_nodes", "deprecation_warnings", "mil_ops", "core_ml_states",
             "decode_tok_s", "prefill_tok_s"]
     out = {}
-    print(f"| config | figure | export_llm | edgellm | ratio |\n|---|---|---|---|---|")
+    print("| config | figure | export_llm | edgellm | ratio |\n|---|---|---|---|---|")
     for c in ours:  # an edgellm-only variant (xnnpack_q8da4w_emb4) sits beside its base config
         a, e = anchor.get(c, anchor.get(c.removesuffix("_emb4"), {})), ours[c]
         # speeds side by side only when measured in one process (anchor.sh's own run differs in
         # process and OpenMP setting)
-        a = {**a, **e.get("anchor_here", {})} if "anchor_here" in e else \
+        a = {**a, **e["anchor_here"]} if "anchor_here" in e else \
             {k: v for k, v in a.items() if k not in ("decode_tok_s", "prefill_tok_s")}
         out[c] = {"export_llm": a, "edgellm": e, "ratio": {}}
         for k in keys:
