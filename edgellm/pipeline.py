@@ -114,7 +114,7 @@ def export(cfg: ExportConfig, quiet: bool = False) -> dict:
             source.eos_ids = source.eos_ids if cfg.eos_ids is None else cfg.eos_ids
         # what was imported and read so far lives to the end: collections skip it from here
         run.enter_context(long_run_collector())
-        opts = plan.model_options(cfg.context_len)
+        opts = plan.model_options(cfg, source.stored_types)
         model, check, done, weights_per_token = eager_model(cfg, plan, opts, source, stages, tmp)
         with stages.stage("export"):
             programs = export_methods(model, cfg.max_seq_len, plan.dynamic_shapes,

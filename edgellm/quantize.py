@@ -24,8 +24,9 @@ grid (which torchao's `SYMMETRIC_NO_CLIPPING_ERR` scale choice reproduces exactl
 grid is offset (Q4_1's float minimum, which integer zero points cannot hold), a float offset per
 block applied to the input's block sums (`GridLinear`). Linears the GGUF keeps above 4 bits while
 it stores others at 4 (SmolLM2's Q8_0 tied head) get 8-bit weights under a 4-bit recipe: the
-file's author spared them. Core ML folds norm weights into most linears, so grids survive only
-for XNNPACK's recipe there.
+file's author spared them. `4w` (Core ML) keeps grids the same way, weight-only; Core ML's build
+then leaves RMSNorm weights unfolded, since folding them into a linear moves every block off the
+file's grid (`keeps_source_grids`, read by backends.Plan.model_options).
 """
 
 from __future__ import annotations
@@ -228,6 +229,14 @@ class Quantized:
         return out
 
 
+def keeps_source_grids(cfg, stored: dict | None) -> bool:
+    """Whether the recipe keeps a source's 4-bit grids: a 4-bit recipe at the file's block
+    (group unset or 32) over a source storing Q4_0 / Q4_1 tensors."""
+    recipe = RECIPES.get(cfg.quantize) if cfg.quantize else None
+    return (recipe is not None and recipe.bits == 4 and cfg.group_size in (None, GRID_BLOCK)
+            and any(t in GRID_TYPES for t in (stored or {}).values()))
+
+
 def source_types(model, stored: dict) -> dict:
     """Linear module name -> the source's storage type of its weight, and "embedding" -> the
     table's; a tied head (no weight of its own in the source) takes the embedding's."""
@@ -349,7 +358,7 @@ def quantize(model, cfg, stored: dict | None = None) -> Quantized:
         return done
     recipe = RECIPES[cfg.quantize]
     four_bit &= recipe.bits == 4
-    grids = recipe.dynamic and any(t in GRID_TYPES for t in linear_types)
+    grids = recipe.bits == 4 and any(t in GRID_TYPES for t in linear_types)
     group = done.group_size = GRID_BLOCK if grids and cfg.group_size is None else group_of(cfg)
     saved = _keep_grids(model, types, recipe.dynamic, done) if grids and group == GRID_BLOCK \
         else []

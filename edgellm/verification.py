@@ -129,8 +129,9 @@ def verify(target, steps: int = 8) -> dict:
     source = load_source(cfg.model, params=cfg.params, model_class=cfg.model_class)
     check = Verification(cfg, plan, source, folder, steps)
     if check.expected is None or check.stand_in_needed:  # built as the program was
-        eager = build_model(source.hf_config, dict(source.state_dict),
-                            plan.model_options(cfg.context_len), TORCH_DTYPES[cfg.dtype])
+        opts = plan.model_options(cfg, source.stored_types)
+        eager = build_model(source.hf_config, dict(source.state_dict), opts,
+                            TORCH_DTYPES[cfg.dtype])
         if check.quantized:
             from .quantize import quantize
 
@@ -170,7 +171,7 @@ class Verification:
         runs on it when it is fp32; else an fp32 one is built here)."""
         from .architectures import build_model
         from .progress import release_memory
-
+    
         self.cfg, self.plan = cfg, plan
         self.steps = max(1, min(steps, cfg.context_len // 2))  # prompt and steps fit the cache
         longest = min(cfg.max_seq_len, cfg.context_len - self.steps)
@@ -188,7 +189,7 @@ class Verification:
         if model is not None and cfg.dtype == "fp32":
             actual = self.collect(model, eager_prefill(model))
         else:
-            opts = plan.model_options(cfg.context_len)
+            opts = plan.model_options(cfg, source.stored_types)
             eager = build_model(source.hf_config, dict(source.state_dict), opts, torch.float32)
             actual = self.collect(eager, eager_prefill(eager))
             del eager

@@ -9,6 +9,7 @@ import yaml
 
 import edgellm
 from conftest import (assert_logits_close, cached_run, cached_run_one_by_one, reference_run)
+from edgellm.config import ExportConfig
 from edgellm.runtime import Program
 
 
@@ -33,7 +34,8 @@ def test_parity_ladder(tiny_models, prompt_ids, xnnpack_exports, arch):
     _, hf = tiny_models[arch]
     tokens, expected = reference_run(hf, prompt_ids, steps=9)  # prefill + 8 decode calls
     plan = Plan((get_backend("xnnpack"),), (None,))
-    model = build_model(hf.config, hf.state_dict(), plan.model_options(64), torch.float32)
+    opts = plan.model_options(ExportConfig(max_context_len=64))
+    model = build_model(hf.config, hf.state_dict(), opts, torch.float32)
     with torch.no_grad():
         eager = cached_run(model, prompt_ids, tokens)
         exported = export_forward(model, 32, dynamic=True).module()

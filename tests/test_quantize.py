@@ -163,10 +163,11 @@ def test_gguf_4bit_blocks_are_found_and_rebuilt_exactly(kind):
     assert block_grid(w[:, :80]) is None  # no whole blocks
 
 
-def test_8da4w_keeps_a_gguf_grid_and_what_the_file_spared():
-    """SmolLM2's GGUF: Q4_1 linears, a Q8_0 embedding the head is tied to. 8da4w defaults to the
-    file's blocks of 32, multiplies by exactly the file's weights, and keeps the Q8_0 tensors at
-    8 bits even where 4 were asked."""
+@pytest.mark.parametrize("recipe", ["8da4w", "4w"])
+def test_4bit_recipes_keep_a_gguf_grid_and_what_the_file_spared(recipe):
+    """SmolLM2's GGUF: Q4_1 linears, a Q8_0 embedding the head is tied to. A 4-bit recipe (XNNPACK's
+    8da4w, Core ML's weight-only 4w) defaults to the file's blocks of 32, multiplies by exactly
+    the file's weights, and keeps the Q8_0 tensors at 8 bits even where 4 were asked."""
     from torch import nn
 
     model = nn.Module()
@@ -179,9 +180,9 @@ def test_8da4w_keeps_a_gguf_grid_and_what_the_file_spared():
         kind = stored[f"{name}.weight"]
         getattr(model, name).weight.data = originals[name] = gguf_weight(
             getattr(model, name).weight.shape, kind, seed=i)
-    done = quantize(model, ExportConfig(quantize="8da4w", embedding_quantize="4,32"), stored)
+    done = quantize(model, ExportConfig(quantize=recipe, embedding_quantize="4,32"), stored)
     assert done.report() == {
-        "recipe": "8da4w", "group_size": 32, "linears_quantized": 3, "linears_left_float": [],
+        "recipe": recipe, "group_size": 32, "linears_quantized": 3, "linears_left_float": [],
         "embeddings": "8,0", "embeddings_stored_as": "Q8_0",
         "linears_on_source_grid": 2, "linears_at_8_bits": ["lm_head"]}
     for name in ("q4_1", "q4_0"):
@@ -190,8 +191,9 @@ def test_8da4w_keeps_a_gguf_grid_and_what_the_file_spared():
     assert model.lm_head.weight.qdata.abs().max() > 8  # 8-bit codes
     assert model.embed_tokens.weight.qdata.abs().max() > 8
     x = torch.randn(3, 64)
+    close = dict(rtol=0.05, atol=0.05) if recipe == "8da4w" else {}  # 8-bit activations
     torch.testing.assert_close(model.q4_1(x), x @ originals["q4_1"].T + model.q4_1.linear.bias,
-                               rtol=0.05, atol=0.05)  # only the activations' 8 bits differ
+                               **close)
     assert any("keep the source's 4-bit grid exactly" in line for line in done.notes())
 
 
@@ -208,10 +210,10 @@ def test_without_storage_types_8da4w_requantizes_as_before():
     assert (model.proj.weight.dequantize() - grid).abs().max() > 1e-3
 
 
-def test_a_gguf_grid_survives_into_the_program(tiny_models, tmp_path, monkeypatch):
-    """The tiny Llama with Q4_1 linears and Q8_0 embedding and head, read as a GGUF would be:
-    the XNNPACK program runs, verify passes, and it is closer to fp32 than the same weights
-    requantized at group 64 (the recipe without the file's grid)."""
+def gridded_llama(tiny_models, tmp_path, monkeypatch) -> Path:
+    """The tiny Llama with Q4_1 linears and Q8_0 embedding and head, read as a GGUF would be
+    (storage types and all). Its norm weights are not ones, so folding one into the linears after
+    it would move their blocks off the grid."""
     import safetensors.torch
 
     import edgellm.sources.hf as hf
@@ -220,11 +222,13 @@ def test_a_gguf_grid_survives_into_the_program(tiny_models, tmp_path, monkeypatc
     shutil.copytree(tiny_models["llama"][0], folder)
     [weights] = folder.glob("*.safetensors")
     state = safetensors.torch.load_file(weights)
-    stored = {}
+    stored, norms = {}, torch.Generator().manual_seed(0)
     for name, tensor in state.items():
         if tensor.dim() == 2:
             stored[name] = "Q4_1" if name.endswith("_proj.weight") else "Q8_0"
             state[name] = gguf_weight(tensor.shape, stored[name], seed=len(stored))
+        elif name.endswith("norm.weight"):
+            state[name] = 1 + 0.3 * torch.randn(tensor.shape, generator=norms)
     safetensors.torch.save_file(state, weights, metadata={"format": "pt"})
     load = hf.load_hf_folder
 
@@ -234,6 +238,13 @@ def test_a_gguf_grid_survives_into_the_program(tiny_models, tmp_path, monkeypatc
         return source
 
     monkeypatch.setattr(hf, "load_hf_folder", as_gguf)
+    return folder
+
+
+def test_a_gguf_grid_survives_into_the_program(tiny_models, tmp_path, monkeypatch):
+    """XNNPACK 8da4w over the gridded Llama: the program runs, verify passes, and it is closer to
+    fp32 than the same weights requantized at group 64 (the recipe without the file's grid)."""
+    folder = gridded_llama(tiny_models, tmp_path, monkeypatch)
     reports = {}
     for group in (None, 64):
         reports[group] = edgellm.export(folder, output=tmp_path / f"q{group}", backends="xnnpack",
@@ -245,6 +256,25 @@ def test_a_gguf_grid_survives_into_the_program(tiny_models, tmp_path, monkeypatc
     assert reports[None]["verify"]["passed"]
     kept, requantized = (cost_of(reports[g])[1] for g in (None, 64))
     assert kept["sqnr_db"] > requantized["sqnr_db"] + 6
+
+
+def test_coreml_4w_keeps_a_gguf_grid(tiny_models, tmp_path, monkeypatch):
+    """Core ML 4w over the gridded Llama multiplies by exactly the file's weights: its build leaves
+    the norms unfolded where grids are kept (folded, no block would stay on the grid), so the
+    exported graph matches fp32 to rounding; requantized at group 64 it does not."""
+    folder = gridded_llama(tiny_models, tmp_path, monkeypatch)
+    reports = {}
+    for group in (None, 64):
+        reports[group] = edgellm.export(folder, output=tmp_path / f"c{group}", backends="coreml",
+                                        quantize="4w", group_size=group, quiet=True, **SIZES)
+    q = reports[None]["quantization"]
+    assert (q["group_size"], q["linears_on_source_grid"], q["linears_at_8_bits"]) == \
+        (32, 14, ["lm_head"])
+    assert reports[None]["verify"]["passed"]
+    kept, requantized = (cost_of(reports[g])[1] for g in (None, 64))
+    assert kept["sqnr_db"] > requantized["sqnr_db"] + 15  # 50.8 against 28.1 dB (8-bit head)
+    from edgellm.verification import verify
+    assert verify(tmp_path / "cNone")["checks"] == reports[None]["verify"]["checks"]
 
 
 def test_a_grid_through_zero_stays_one_linear():

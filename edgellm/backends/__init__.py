@@ -137,10 +137,18 @@ class Plan:
     def dynamic_shapes(self) -> bool:
         return all(b.dynamic_shapes for b in self.backends)
 
-    def model_options(self, max_context_len: int):
+    def model_options(self, cfg, stored: dict | None = None):
+        """How the model is written for this chain and export config: the first backend's
+        `writing`, except that where the recipe keeps the source's 4-bit grids (`stored`: its
+        storage types; quantize.keeps_source_grids) no norm weight is folded into the linears
+        after it, which would move their blocks off the grid."""
         from ..architectures.layers import ModelOptions
+        from ..quantize import keeps_source_grids
 
-        return ModelOptions(max_context_len=max_context_len, **self.backends[0].writing)
+        writing = dict(self.backends[0].writing)
+        if keeps_source_grids(cfg, stored):
+            writing["fold_norms"] = False
+        return ModelOptions(max_context_len=cfg.context_len, **writing)
 
     def partitioners(self) -> list:
         return [p for b, o in zip(self.backends, self.options) for p in b.make_partitioners(o)]
