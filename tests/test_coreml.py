@@ -23,13 +23,13 @@ def buffers(arch: str, folder) -> dict:
             out[f"model_layers_{i}_conv_conv_state"] = [1, cfg.conv_L_cache - 1, cfg.hidden_size]
         else:
             attn = "self_attn_cache"
-            hd = cfg.hidden_size // cfg.num_attention_heads
+            hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
             for name in ("k_cache", "v_cache"):
                 out[f"model_layers_{i}_{attn}_{name}"] = [1, cfg.num_key_value_heads, 16, hd]
     return out
 
 
-@pytest.mark.parametrize("arch", ["lfm2", "llama"])
+@pytest.mark.parametrize("arch", ["lfm2", "llama", "qwen3"])
 @pytest.mark.parametrize("state", ["io", "coreml"])
 def test_state_lands_where_the_policy_says(tiny_models, tmp_path, arch, state):
     folder = tiny_models[arch][0]

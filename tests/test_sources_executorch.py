@@ -80,7 +80,20 @@ def write_llama(folder, hf, out: Path):
     return "llama3_2", ref
 
 
-@pytest.mark.parametrize("arch, write", [("lfm2", write_lfm2), ("llama", write_llama)])
+def write_qwen3(folder, hf, out: Path):
+    """ExecuTorch's own convert_weights, and params as its qwen3 configs write them."""
+    from executorch.examples.models.qwen3.convert_weights import convert_weights
+
+    convert_weights(str(folder), str(out / "model.pth"))
+    cfg = hf.config
+    (out / "params.json").write_text(json.dumps(params_for(
+        cfg, head_dim=cfg.head_dim, norm_eps=cfg.rms_norm_eps, use_hf_rope=True,
+        attention_qkv_bias=False, use_qk_norm=True, qk_norm_before_rope=True)))
+    return "qwen3_0_6b", hf
+
+
+@pytest.mark.parametrize("arch, write", [("lfm2", write_lfm2), ("llama", write_llama),
+                                         ("qwen3", write_qwen3)])
 def test_executorch_checkpoint_matches_transformers(tiny_models, prompt_ids, tmp_path, arch,
                                                      write):
     folder, hf = tiny_models[arch]
@@ -172,8 +185,8 @@ LFM2_PARAMS = dict(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=96, h
 
 
 @pytest.mark.parametrize("model_class, match", [
-    ("qwen3_0_6b", r"model_class 'qwen3_0_6b' is not supported: Qwen3 .*no qwen3 architecture"
-                   r".*Supported: lfm2_350m, .*smollm2"),
+    ("qwen2_5_0_5b", r"model_class 'qwen2_5_0_5b' is not supported: Qwen2\.5 .*no qwen2 "
+                     r"architecture.*Supported: lfm2_350m, .*qwen3_4b"),
     ("gpt5", r"Unknown ExecuTorch model_class 'gpt5'\..*Supported: lfm2_350m"),
     ("llama3_3", r"Unknown ExecuTorch model_class 'llama3_3'\. Did you mean 'llama3_\d'\?")])
 def test_refuses_model_class(model_class, match):
@@ -207,7 +220,8 @@ def test_refuses_params_missing_dim_and_names_every_problem():
 def test_refuses_llama_params_lfm2_features():
     params = dict(dim=64, n_layers=2, n_heads=4, vocab_size=96, use_qk_norm=True,
                   use_scaled_rope=True)
-    with pytest.raises(InputError, match=r"use_qk_norm=true: Llama has no q/k norms; "
+    with pytest.raises(InputError, match=r"use_qk_norm=true: Llama has no q/k norms \(Qwen3 "
+                       r"has: model_class qwen3_0_6b, qwen3_1_7b or qwen3_4b\); "
                        r"use_scaled_rope=true is refused by ExecuTorch for llama2"):
         hf_config_from_params(params, "llama2")
 
@@ -299,3 +313,11 @@ def test_leftover_tensors_reach_the_loader(pair):
                        r"unexpected tensors: layers\.0\.conv\.B_proj\.weight, "
                        r"layers\.0\.conv\.x_proj\.weight, layers\.1\.attention\.wz\.weight"):
         build_model(source.hf_config, source.state_dict, ModelOptions(16), torch.float32)
+
+
+def test_qwen3_params_need_its_head_norms():
+    params = {**LFM2_PARAMS, "layer_types": None, "head_dim": 32}
+    assert hf_config_from_params(params, "qwen3_0_6b").model_type == "qwen3"
+    with pytest.raises(InputError, match=r"use_hf_rope, use_qk_norm and qk_norm_before_rope must "
+                       r"all be true, as in ExecuTorch's qwen3 configs"):
+        hf_config_from_params({**params, "use_qk_norm": False}, "qwen3_0_6b")

@@ -15,7 +15,8 @@ from ..errors import InputError
 from .layers import ModelOptions, separate_tied_head
 
 ARCHITECTURES = {"lfm2": "LFM2 and LFM2.5 (short-conv + attention hybrids)",
-                 "llama": "Llama 3.x, SmolLM2 and other Llama-layout models"}
+                 "llama": "Llama 3.x, SmolLM2 and other Llama-layout models",
+                 "qwen3": "Qwen3 dense models (Llama layout with per-head q and k norms)"}
 
 
 def architecture(model_type: str):

@@ -36,7 +36,9 @@ def rope_for(cfg, opts: ModelOptions) -> Rope:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg, opts: ModelOptions, dtype):
+    """`qk_norm` (Qwen3): an RMSNorm over each head of q and k, before RoPE."""
+
+    def __init__(self, cfg, opts: ModelOptions, dtype, qk_norm: bool = False):
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = (cfg.num_attention_heads,
                                                   cfg.num_key_value_heads, head_dim(cfg))
@@ -45,6 +47,10 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=bias)
+        self.qk_norm = qk_norm
+        if qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, opts.norm)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, opts.norm)
         with torch.device("cpu"):
             self.cache = KVCache(self.n_heads, self.n_kv, self.head_dim, opts, dtype)
 
@@ -52,6 +58,8 @@ class Attention(nn.Module):
         q = split_heads(self.q_proj(x), self.n_heads, self.head_dim, step)
         k = split_heads(self.k_proj(x), self.n_kv, self.head_dim, step)
         v = split_heads(self.v_proj(x), self.n_kv, self.head_dim, step)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = step.rope(q), step.rope(k)
         return self.o_proj(self.cache(q, k, v, step))
 
@@ -69,9 +77,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg, opts: ModelOptions, dtype):
+    def __init__(self, cfg, opts: ModelOptions, dtype, qk_norm: bool):
         super().__init__()
-        self.self_attn = Attention(cfg, opts, dtype)
+        self.self_attn = Attention(cfg, opts, dtype, qk_norm)
         self.mlp = MLP(cfg)
         affine = not opts.fold_norms
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, opts.norm, affine)
@@ -84,19 +92,19 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, cfg, opts: ModelOptions, dtype):
+    def __init__(self, cfg, opts: ModelOptions, dtype, qk_norm: bool):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, opts, dtype)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, opts, dtype, qk_norm)
                                     for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, opts.norm)
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg, opts: ModelOptions, dtype):
+    def __init__(self, cfg, opts: ModelOptions, dtype, qk_norm: bool = False):
         super().__init__()
         self.opts = opts
-        self.model = Backbone(cfg, opts, dtype)
+        self.model = Backbone(cfg, opts, dtype, qk_norm)
         self.rope = rope_for(cfg, opts)
         self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
         if not self.tied:
@@ -122,6 +130,6 @@ class LlamaForCausalLM(nn.Module):
         return run_decoder(self, tokens, input_pos, self.model.norm, head_weight(self))
 
 
-def build(cfg, opts: ModelOptions, dtype) -> LlamaForCausalLM:
+def build(cfg, opts: ModelOptions, dtype, qk_norm: bool = False) -> LlamaForCausalLM:
     with torch.device("meta"):
-        return LlamaForCausalLM(cfg, opts, dtype)
+        return LlamaForCausalLM(cfg, opts, dtype, qk_norm)

@@ -7,8 +7,10 @@ params become a transformers config as ModelArgs.__post_init__ and llama/model.p
 LFM2's B/C/x projections are concatenated back into `conv.in_proj`; q/k rows are un-permuted when
 use_hf_rope is false; output.weight equal to tok_embeddings.weight means tied embeddings.
 Unlike ExecuTorch's loader, which ignores unknown params keys and tensors (strict=False), an
-unknown key or a ModelArgs field set to something lfm2/llama do not compute is refused, unknown
-tensors reach the model loader (which names them), and the .pth is opened with weights_only=True.
+unknown key or a ModelArgs field set to something lfm2/llama/qwen3 do not compute is refused,
+unknown
+tensors reach the model loader (which names them), and the .pth is opened with
+weights_only=True.
 """
 
 from __future__ import annotations
@@ -29,12 +31,11 @@ from . import Source
 MODEL_CLASSES = {**dict.fromkeys(("lfm2_350m", "lfm2_700m", "lfm2_1_2b", "lfm2_5_350m",
                                   "lfm2_5_1_2b"), "lfm2"),
                  **dict.fromkeys(("stories110m", "llama2", "llama3", "llama3_1", "llama3_2",
-                                  "smollm2"), "llama")}
+                                  "smollm2"), "llama"),
+                 **dict.fromkeys(("qwen3_0_6b", "qwen3_1_7b", "qwen3_4b"), "qwen3")}
 UNSUPPORTED_CLASSES = {
     **dict.fromkeys(("qwen2_5_0_5b", "qwen2_5_1_5b", "qwen2_5_coder_32b"),
                     "Qwen2.5 (biases on q/k/v): edgellm has no qwen2 architecture yet"),
-    **dict.fromkeys(("qwen3_0_6b", "qwen3_1_7b", "qwen3_4b"),
-                    "Qwen3 (per-head q/k norms): edgellm has no qwen3 architecture yet"),
     **dict.fromkeys(("qwen3_5_0_8b", "qwen3_5_2b", "qwen3_5_4b"), "Qwen3.5 (gated DeltaNet "
                     "linear-attention layers): edgellm has no qwen3_5 architecture yet"),
     "phi_4_mini": "Phi-4-mini (partial rotary, LongRoPE): edgellm has no phi3 architecture yet",
@@ -95,7 +96,11 @@ _LAYER_NAMES = {
               "feed_forward.w1.weight": "mlp.gate_proj.weight",
               "feed_forward.w2.weight": "mlp.down_proj.weight",
               "feed_forward.w3.weight": "mlp.up_proj.weight"}}
-_FINAL_NORM = {"lfm2": "model.embedding_norm.weight", "llama": "model.norm.weight"}
+_LAYER_NAMES["qwen3"] = {**_LAYER_NAMES["llama"],
+                         "attention.q_norm_fn.weight": "self_attn.q_norm.weight",
+                         "attention.k_norm_fn.weight": "self_attn.k_norm.weight"}
+_FINAL_NORM = {"lfm2": "model.embedding_norm.weight", "llama": "model.norm.weight",
+               "qwen3": "model.norm.weight"}
 _CONV_PARTS = ("conv.B_proj.weight", "conv.C_proj.weight", "conv.x_proj.weight")  # LFM2 only
 # State an ExecuTorch model.state_dict() or a Meta consolidated .pth carries beside the weights
 _BUFFERS = re.compile(r"^rope\.freqs$|\.conv_state$|\.kv_cache\.[kv]_cache$|\.mask$")
@@ -184,9 +189,21 @@ def _lfm2_problems(p: dict, model_class: str) -> list[str]:
 def _llama_problems(p: dict, model_class: str) -> list[str]:
     out = _layer_kinds(p, ("full_attention",)) if p["layer_types"] is not None else []
     if p["use_qk_norm"]:
-        out.append("use_qk_norm=true: Llama has no q/k norms")
+        out.append("use_qk_norm=true: Llama has no q/k norms (Qwen3 has: model_class "
+                   "qwen3_0_6b, qwen3_1_7b or qwen3_4b)")
     if p["use_scaled_rope"] and not p["use_hf_rope"] and model_class in ("llama2", "stories110m"):
         out.append(f"use_scaled_rope=true is refused by ExecuTorch for {model_class}")
+    return out
+
+
+def _qwen3_problems(p: dict, model_class: str) -> list[str]:
+    out = _layer_kinds(p, ("full_attention",)) if p["layer_types"] is not None else []
+    if not (p["use_hf_rope"] and p["use_qk_norm"] and p["qk_norm_before_rope"]):
+        out.append("use_hf_rope, use_qk_norm and qk_norm_before_rope must all be true, as in "
+                   "ExecuTorch's qwen3 configs (Qwen3 normalises each q and k head before "
+                   "half-split RoPE)")
+    if p["use_scaled_rope"]:
+        out.append("use_scaled_rope=true: ExecuTorch scales RoPE only for Meta-layout Llamas")
     return out
 
 
@@ -205,11 +222,13 @@ def _llama_rope(p: dict, model_class: str) -> dict:
 
 def hf_config_from_params(params: dict, model_class: str, *, tie_word_embeddings: bool = False,
                           origin: str = "ExecuTorch params JSON"):
-    """ExecuTorch params + base.model_class -> Lfm2Config or LlamaConfig. LFM2 is always tied;
-    a Llama only when told (ExecuTorch's Transformer has its own output projection)."""
+    """ExecuTorch params + base.model_class -> Lfm2Config, LlamaConfig or Qwen3Config. LFM2 is
+    always tied; a Llama or Qwen3 only when told (ExecuTorch's Transformer has its own output
+    projection; its qwen3 converter writes the embedding there for tied models)."""
     arch = architecture_of(model_class)
     p = _resolve(params, origin)
-    problems = {"lfm2": _lfm2_problems, "llama": _llama_problems}[arch](p, model_class)
+    problems = {"lfm2": _lfm2_problems, "llama": _llama_problems,
+                "qwen3": _qwen3_problems}[arch](p, model_class)
     if problems:
         raise InputError(f"{origin} does not fit edgellm's {arch} (model_class {model_class}): "
                          f"{'; '.join(problems)}. Fix the params JSON or the model_class.")
@@ -226,6 +245,13 @@ def hf_config_from_params(params: dict, model_class: str, *, tie_word_embeddings
                                            "rope_theta": float(p["rope_freq_base"])},
                           conv_L_cache=3, conv_bias=False,  # ShortConv's fixed kernel, no bias
                           block_auto_adjust_ff_dim=False)  # hidden_dim is already the width
+    if arch == "qwen3":
+        from transformers import Qwen3Config
+
+        return Qwen3Config(**common, rms_norm_eps=p["norm_eps"], head_dim=p["head_dim"],
+                           rope_parameters={"rope_type": "default",
+                                            "rope_theta": float(p["rope_freq_base"])},
+                           tie_word_embeddings=tie_word_embeddings, attention_bias=False)
     from transformers import LlamaConfig
 
     rope = _llama_rope(p, model_class)
