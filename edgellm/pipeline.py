@@ -131,6 +131,11 @@ def export(cfg: ExportConfig, quiet: bool = False) -> dict:
             del programs
         with stages.stage("serialize"):
             files = write_outputs(tmp, cfg, source, lowered)
+            if "tokenizer" not in files and not quiet:
+                print(f"[edgellm] serialize: no tokenizer ships beside model.pte ({source.origin} "
+                      "has none); ExecuTorch's LLM runner and `edgellm generate` need one: add "
+                      "tokenizer=PATH (a tokenizer.json or its folder)", file=sys.stderr,
+                      flush=True)
             del lowered.program  # written: what follows reads the file and needs the memory
             release_memory()
             for backend in plan.backends:

@@ -46,6 +46,23 @@ def test_parity_ladder(tiny_models, prompt_ids, xnnpack_exports, arch):
         assert_logits_close(logits, expected, atol=1e-4, what=f"{arch} {what}")
 
 
+def test_a_model_without_tokenizer_is_said_at_export(tiny_models, tmp_path, capsys):
+    """The program still exports; stderr says that none ships and how to give one."""
+    import shutil
+
+    folder = tmp_path / "bare"
+    shutil.copytree(tiny_models["llama"][0], folder)
+    for tok in folder.glob("tokenizer*"):
+        tok.unlink()
+    report = edgellm.export(folder, output=tmp_path / "o", backends="portable", max_seq_len=8,
+                            verify=False)
+    assert "tokenizer" not in report["files"] and (tmp_path / "o" / "model.pte").is_file()
+    assert "no tokenizer ships beside model.pte" in capsys.readouterr().err
+    edgellm.export(tiny_models["llama"][0], output=tmp_path / "t", backends="portable",
+                   max_seq_len=8, verify=False)
+    assert "no tokenizer" not in capsys.readouterr().err
+
+
 def test_outputs_and_report(xnnpack_exports):
     folder, report = xnnpack_exports["lfm2"]
     names = {p.name for p in folder.iterdir()}
