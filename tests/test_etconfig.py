@@ -192,3 +192,38 @@ def test_compare_prints_the_seed_table_for_two_real_exports(tiny_models, tmp_pat
     assert row[0] == str(tmp_path / "a") and int(row[2]) == c["rows"]["A"]["delegated_nodes"]
     assert any("aten_scaled_dot_product_attention_default" in line and "(-2)" in line
                for line in out)
+
+
+def test_executorch_qwen3_config_runs_unchanged(tiny_models, prompt_ids, tmp_path):
+    """ExecuTorch's own qwen3_xnnpack_q8da4w.yaml (8da4w, 8-bit embeddings, base.metadata) on the
+    tiny Qwen3 as its qwen3 converter writes it; group 32 because the tiny model is 64 wide."""
+    import executorch.examples.models.qwen3 as qwen3
+    from executorch.examples.models.qwen3.convert_weights import convert_weights
+
+    from conftest import cached_run, reference_run
+    from edgellm.numerics import compare
+    from edgellm.runtime import Program
+
+    folder, hf = tiny_models["qwen3"]
+    convert_weights(str(folder), str(tmp_path / "model.pth"))
+    cfg = hf.config
+    (tmp_path / "params.json").write_text(json.dumps(dict(
+        dim=cfg.hidden_size, n_layers=cfg.num_hidden_layers, n_heads=cfg.num_attention_heads,
+        n_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, vocab_size=cfg.vocab_size,
+        hidden_dim=cfg.intermediate_size, norm_eps=cfg.rms_norm_eps, use_hf_rope=True,
+        rope_theta=cfg.rope_parameters["rope_theta"], use_qk_norm=True,
+        qk_norm_before_rope=True)))
+    yaml = Path(qwen3.__file__).parent / "config" / "qwen3_xnnpack_q8da4w.yaml"
+    assert main(["export", "--config", str(yaml), "+base.model_class=qwen3_0_6b",
+                 f"+base.params={tmp_path / 'params.json'}",
+                 f"+base.checkpoint={tmp_path / 'model.pth'}", "++export.max_seq_length=16",
+                 "++export.max_context_length=32", "+quantization.group_size=32",
+                 f"+export.output_name={tmp_path / 'q'}.pte", "--quiet"]) == 0
+    report = json.loads((tmp_path / "q" / "report.json").read_text())
+    assert report["quantization"]["recipe"] == "8da4w"
+    assert report["quantization"]["embeddings"] == "8,0"
+    program = Program(tmp_path / "q" / "model.pte")
+    assert program.meta["get_bos_id"] == 151644 and program.meta["get_eos_ids"] == [151645]
+    tokens, expected = reference_run(hf, prompt_ids, steps=4)
+    c = compare(cached_run(program.forward, prompt_ids, tokens), expected)
+    assert c.sqnr_db > 15 and c.argmax_agree >= 0.75, c  # 4-bit weights: close, not equal

@@ -8,8 +8,7 @@ LFM2's B/C/x projections are concatenated back into `conv.in_proj`; q/k rows are
 use_hf_rope is false; output.weight equal to tok_embeddings.weight means tied embeddings.
 Unlike ExecuTorch's loader, which ignores unknown params keys and tensors (strict=False), an
 unknown key or a ModelArgs field set to something lfm2/llama/qwen3 do not compute is refused,
-unknown
-tensors reach the model loader (which names them), and the .pth is opened with
+unknown tensors reach the model loader (which names them), and the .pth is opened with
 weights_only=True.
 """
 
