@@ -1,4 +1,5 @@
-"""Where weights come from: Hugging Face folders (single file or shards) and their refusals."""
+"""Where weights come from: Hugging Face folders (single file or shards) and their refusals, and a
+GGUF written here from a tiny model."""
 
 import json
 import shutil
@@ -50,3 +51,84 @@ def test_index_naming_a_missing_shard(tiny_models, tmp_path):
         {"weight_map": {"a": "model-00001-of-00002.safetensors"}}))
     with pytest.raises(InputError, match="lists shards that are missing: model-00001-of-00002"):
         load_source(str(tmp_path / "m"))
+
+
+# HF module -> GGUF tensor, inside "model.layers.N." / "blk.N." (llama.cpp's names for qwen3)
+GGUF_LAYER = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+              "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+              "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+              "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+GGUF_TOP = {"model.embed_tokens.weight": "token_embd.weight",
+            "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
+
+
+def write_qwen3_gguf(hf, tokenizer_json, path) -> None:
+    """The tiny Qwen3 as llama.cpp's converter lays it out: F32 tensors under GGUF names, the
+    architecture's metadata, and its byte-level BPE tokenizer as a gpt2 vocabulary with merges."""
+    import gguf
+
+    cfg, tok = hf.config, json.loads(tokenizer_json.read_text())
+    w = gguf.GGUFWriter(str(path), "qwen3")
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    vocab = dict(tok["model"]["vocab"]) | {t["content"]: t["id"] for t in tok["added_tokens"]}
+    special = {t["id"] for t in tok["added_tokens"]}
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(sorted(vocab, key=vocab.get))
+    w.add_token_types([gguf.TokenType.CONTROL if i in special else gguf.TokenType.NORMAL
+                       for i in range(len(vocab))])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
+    w.add_bos_token_id(cfg.bos_token_id)
+    w.add_eos_token_id(cfg.eos_token_id)
+    for name, tensor in hf.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        if name.startswith("model.layers."):
+            _, _, layer, rest = name.split(".", 3)
+            module, leaf = rest.rsplit(".", 1)
+            name = f"blk.{layer}.{GGUF_LAYER[module]}.{leaf}"
+        else:
+            name = GGUF_TOP[name]
+        w.add_tensor(name, tensor.detach().float().numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_qwen3_gguf_exports_and_matches_transformers(tiny_models, prompt_ids, tmp_path):
+    """Its head width (32, not hidden / heads and not Qwen3Config's default 128) comes from the
+    file's attention.key_length, which transformers' GGUF config map leaves out; the program
+    matches transformers and ships a tokenizer that encodes as the model's own."""
+    from tokenizers import Tokenizer
+
+    import edgellm
+    from conftest import PROMPT, assert_logits_close, cached_run, reference_run
+    from edgellm.runtime import Program
+
+    folder, hf = tiny_models["qwen3"]
+    gguf_file = tmp_path / "tiny-qwen3-F32.gguf"
+    write_qwen3_gguf(hf, folder / "tokenizer.json", gguf_file)
+    source = load_source(str(gguf_file))
+    assert (source.hf_config.model_type, source.hf_config.head_dim) == ("qwen3", 32)
+    assert (source.bos_id, source.eos_ids) == (0, (1,))
+    report = edgellm.export(gguf_file, output=tmp_path / "o", backends="xnnpack", max_seq_len=16,
+                            max_context_len=32, quiet=True)
+    assert report["verify"]["passed"] and report["files"]["tokenizer"] == "tokenizer.json"
+    tokens, expected = reference_run(hf, prompt_ids, steps=4)
+    program = Program(tmp_path / "o" / "model.pte")
+    assert_logits_close(cached_run(program.forward, prompt_ids, tokens), expected, atol=1e-4,
+                        what="qwen3 from GGUF")
+    shipped = Tokenizer.from_file(str(tmp_path / "o" / "tokenizer.json"))
+    assert shipped.encode(PROMPT).ids == Tokenizer.from_file(
+        str(folder / "tokenizer.json")).encode(PROMPT).ids

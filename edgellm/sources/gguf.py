@@ -45,6 +45,9 @@ def load_gguf(path: Path) -> Source:
     meta = _read(path)
     raw = {k: v for k, v in meta["config"].items() if k != "_model_name_or_path"}
     architecture(raw.get("model_type", "?"))  # refuse unsupported architectures early
+    head_dim = _key_length(path)
+    if head_dim is not None and "head_dim" not in raw:
+        raw["head_dim"] = head_dim
     cfg = AutoConfig.for_model(**raw)
     with torch.device("meta"):  # the skeleton only tells transformers the names to map to
         skeleton = AutoModelForCausalLM.from_config(cfg)
@@ -66,6 +69,18 @@ def load_gguf(path: Path) -> Source:
     return Source(hf_config=cfg, state_dict=state, origin=str(path),
                   write_tokenizer=write_tokenizer, bos_id=tok.get("bos_token_id"),
                   eos_ids=() if eos is None else (int(eos),), stored_types=stored)
+
+
+def _key_length(path: Path) -> int | None:
+    """The file's `ARCH.attention.key_length` (the head width), which transformers' GGUF config
+    map leaves out for some architectures (qwen3: the config then takes Qwen3Config's default of
+    128, and a model of other heads loads mis-shaped)."""
+    import gguf
+
+    fields = gguf.GGUFReader(str(path)).fields
+    arch = fields.get("general.architecture")
+    found = arch is not None and fields.get(f"{arch.contents()}.attention.key_length")
+    return int(found.contents()) if found else None
 
 
 def _stored_types(path: Path, config: dict, skeleton) -> dict:
