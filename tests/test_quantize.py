@@ -241,40 +241,30 @@ def gridded_llama(tiny_models, tmp_path, monkeypatch) -> Path:
     return folder
 
 
-def test_a_gguf_grid_survives_into_the_program(tiny_models, tmp_path, monkeypatch):
-    """XNNPACK 8da4w over the gridded Llama: the program runs, verify passes, and it is closer to
-    fp32 than the same weights requantized at group 64 (the recipe without the file's grid)."""
+@pytest.mark.parametrize("backend, recipe, margin", [("xnnpack", "8da4w", 6),
+                                                     ("coreml", "4w", 15)])
+def test_a_gguf_grid_survives_into_the_program(tiny_models, tmp_path, monkeypatch, backend,
+                                               recipe, margin):
+    """A 4-bit recipe over the gridded Llama keeps the file's grid (Core ML's build then leaves
+    the norms unfolded: folded, no block would stay on it), verify passes, and the program (the
+    exported graph for Core ML) is closer to fp32 than the same weights requantized at group 64:
+    XNNPACK by over 6 dB (its 8-bit activations stay), Core ML by over 15 (50.8 against 28.1 dB;
+    what is left is the 8-bit head). `edgellm verify` on the folder gives the export's figures."""
+    from edgellm.verification import verify
+
     folder = gridded_llama(tiny_models, tmp_path, monkeypatch)
     reports = {}
     for group in (None, 64):
-        reports[group] = edgellm.export(folder, output=tmp_path / f"q{group}", backends="xnnpack",
-                                        quantize="8da4w", group_size=group, quiet=True, **SIZES)
+        reports[group] = edgellm.export(folder, output=tmp_path / f"q{group}", backends=backend,
+                                        quantize=recipe, group_size=group, quiet=True, **SIZES)
     q = reports[None]["quantization"]
     assert (q["group_size"], q["linears_on_source_grid"], q["linears_at_8_bits"]) == \
         (32, 14, ["lm_head"])
     assert reports[64]["quantization"]["linears_on_source_grid"] == 0
     assert reports[None]["verify"]["passed"]
     kept, requantized = (cost_of(reports[g])[1] for g in (None, 64))
-    assert kept["sqnr_db"] > requantized["sqnr_db"] + 6
-
-
-def test_coreml_4w_keeps_a_gguf_grid(tiny_models, tmp_path, monkeypatch):
-    """Core ML 4w over the gridded Llama multiplies by exactly the file's weights: its build leaves
-    the norms unfolded where grids are kept (folded, no block would stay on the grid), so the
-    exported graph matches fp32 to rounding; requantized at group 64 it does not."""
-    folder = gridded_llama(tiny_models, tmp_path, monkeypatch)
-    reports = {}
-    for group in (None, 64):
-        reports[group] = edgellm.export(folder, output=tmp_path / f"c{group}", backends="coreml",
-                                        quantize="4w", group_size=group, quiet=True, **SIZES)
-    q = reports[None]["quantization"]
-    assert (q["group_size"], q["linears_on_source_grid"], q["linears_at_8_bits"]) == \
-        (32, 14, ["lm_head"])
-    assert reports[None]["verify"]["passed"]
-    kept, requantized = (cost_of(reports[g])[1] for g in (None, 64))
-    assert kept["sqnr_db"] > requantized["sqnr_db"] + 15  # 50.8 against 28.1 dB (8-bit head)
-    from edgellm.verification import verify
-    assert verify(tmp_path / "cNone")["checks"] == reports[None]["verify"]["checks"]
+    assert kept["sqnr_db"] > requantized["sqnr_db"] + margin
+    assert verify(tmp_path / "qNone")["checks"] == reports[None]["verify"]["checks"]
 
 
 def test_a_grid_through_zero_stays_one_linear():
