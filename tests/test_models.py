@@ -55,3 +55,16 @@ def test_lfm2_layer_types_must_match_layer_count(tiny_models, tmp_path):
     with pytest.raises(InputError, match=r"config\.json contradicts itself: .*num_hidden_layers"
                        r".*4.*layer_types.*3"):
         load_source(str(tmp_path / "m"))
+
+
+def test_qwen3_with_sliding_window_layers_is_refused_by_name(tiny_models):
+    """Qwen3's sliding window applies from max_window_layers on; the static cache keeps every
+    position, so such a model is refused rather than exported with other numerics."""
+    import copy
+
+    _, hf = tiny_models["qwen3"]
+    cfg = copy.deepcopy(hf.config)
+    cfg.use_sliding_window, cfg.layer_types = True, ["full_attention", "sliding_attention"]
+    with pytest.raises(InputError, match=r"config\.json asks for what edgellm cannot export: "
+                       r"sliding-window attention in layers \[1\] \(use_sliding_window\)"):
+        build_model(cfg, hf.state_dict(), ModelOptions(64), torch.float32)

@@ -1,7 +1,8 @@
 """Architectures, one file per Hugging Face `model_type`, and the one place weights are loaded.
 
 Each architecture module defines `build(hf_config, opts, dtype) -> nn.Module` (parameters on the
-meta device, state buffers real) and `check(hf_config) -> list[str]` (contradictions in the config).
+meta device, state buffers real) and `check(hf_config) -> list[str]` (contradictions in the config);
+optionally `unsupported(hf_config) -> list[str]` (features of a valid config it does not build).
 The module's forward is `forward(tokens[1, T], input_pos[1]) -> logits[1, vocab]` for the last token.
 """
 
@@ -34,6 +35,10 @@ def build_model(hf_config, state_dict: dict, opts: ModelOptions, dtype: torch.dt
     if problems:
         raise InputError(f"config.json contradicts itself: {'; '.join(problems)}. "
                          "Fix the checkpoint's config.json.")
+    unsupported = getattr(arch, "unsupported", lambda cfg: [])(hf_config)
+    if unsupported:
+        raise InputError(f"config.json asks for what edgellm cannot export: "
+                         f"{'; '.join(unsupported)}.")
     model = arch.build(hf_config, opts, dtype)
     load_weights(model, state_dict, dtype)
     if opts.separate_head:

@@ -11,14 +11,16 @@ from __future__ import annotations
 from . import llama
 
 
-def check(cfg) -> list[str]:
-    out = llama.check(cfg)
+check = llama.check
+
+
+def unsupported(cfg) -> list[str]:
     sliding = [i for i, kind in enumerate(getattr(cfg, "layer_types", None) or [])
                if kind != "full_attention"]
     if getattr(cfg, "use_sliding_window", False) and sliding:
-        out.append(f"use_sliding_window is set and layers {sliding} use sliding-window attention, "
-                   "which edgellm does not support; only full-attention Qwen3 models export")
-    return out
+        return [f"sliding-window attention in layers {sliding} (use_sliding_window); only "
+                "full-attention Qwen3 models export"]
+    return []
 
 
 def build(cfg, opts, dtype):
