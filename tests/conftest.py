@@ -70,16 +70,27 @@ def tiny_qwen3_config(vocab):
                        bos_token_id=0, eos_token_id=1)
 
 
+def tiny_qwen2_config(vocab):
+    from transformers import Qwen2Config
+
+    return Qwen2Config(vocab_size=vocab, hidden_size=64, intermediate_size=128,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       max_position_embeddings=256, tie_word_embeddings=True,
+                       bos_token_id=0, eos_token_id=1)
+
+
 def save_model(config, folder):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).eval()
-    if config.model_type == "qwen3":  # norm weights other than ones: q_norm and k_norm count
-        with torch.no_grad():
+    if config.model_type in ("qwen2", "qwen3"):  # what transformers initializes to ones and
+        with torch.no_grad():                     # zeros would hide: q/k norms, q/k/v biases
             for name, p in model.named_parameters():
                 if name.endswith("norm.weight"):
                     p.copy_(1 + 0.3 * torch.randn(p.shape))
+                elif name.endswith(".bias"):
+                    p.copy_(0.5 * torch.randn(p.shape))
     model.save_pretrained(folder)
     make_tokenizer(folder)
     return model
@@ -87,13 +98,13 @@ def save_model(config, folder):
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
-    """{arch: (folder, transformers model)} for a mixed conv/attention LFM2, a Llama and a
-    Qwen3."""
+    """{arch: (folder, transformers model)} for a mixed conv/attention LFM2, a Llama, a Qwen2
+    and a Qwen3."""
     root = tmp_path_factory.mktemp("models")
     vocab = make_tokenizer(root / "tok")
     out = {}
     for arch, make in (("lfm2", tiny_lfm2_config), ("llama", tiny_llama_config),
-                       ("qwen3", tiny_qwen3_config)):
+                       ("qwen2", tiny_qwen2_config), ("qwen3", tiny_qwen3_config)):
         folder = root / arch
         out[arch] = (folder, save_model(make(vocab), folder))
     return out

@@ -11,7 +11,7 @@ from edgellm.cli import main
 def test_models_lists_architectures_and_backends(capsys):
     assert main(["models"]) == 0
     out = capsys.readouterr().out
-    for name in ("lfm2", "llama", "qwen3", "xnnpack", "coreml", "vulkan", "portable"):
+    for name in ("lfm2", "llama", "qwen2", "qwen3", "xnnpack", "coreml", "vulkan", "portable"):
         assert name in out
     assert "  8da4w      xnnpack\n" in out and "  4w         coreml\n" in out
 
@@ -40,7 +40,7 @@ def test_unsupported_model_type(tmp_path, capsys):
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text('{"model_type": "falcon_h1"}')
     assert main(["export", str(tmp_path / "m"), "-o", str(tmp_path / "o")]) == 2
-    assert "Unsupported model_type 'falcon_h1'. Supported: lfm2, llama, qwen3." in \
+    assert "Unsupported model_type 'falcon_h1'. Supported: lfm2, llama, qwen2, qwen3." in \
         capsys.readouterr().err
 
 

@@ -29,7 +29,7 @@ def buffers(arch: str, folder) -> dict:
     return out
 
 
-@pytest.mark.parametrize("arch", ["lfm2", "llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["lfm2", "llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("state", ["io", "coreml"])
 def test_state_lands_where_the_policy_says(tiny_models, tmp_path, arch, state):
     folder = tiny_models[arch][0]

@@ -15,7 +15,7 @@ FORMULATIONS = {name: b.writing for name, b in BACKENDS.items()} | {
     "matrix rope, folded mean norm": {"rope": "matrix", "norm": "mean", "fold_norms": True}}
 
 
-@pytest.mark.parametrize("arch", ["lfm2", "llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["lfm2", "llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("writing", FORMULATIONS.values(), ids=FORMULATIONS.keys())
 def test_eager_matches_transformers(tiny_models, prompt_ids, arch, writing):
     _, hf = tiny_models[arch]

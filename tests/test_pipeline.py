@@ -24,7 +24,7 @@ def xnnpack_exports(tiny_models, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("arch", ["lfm2", "llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["lfm2", "llama", "qwen2", "qwen3"])
 def test_parity_ladder(tiny_models, prompt_ids, xnnpack_exports, arch):
     """transformers -> our eager model -> exported program -> XNNPACK .pte in the runtime."""
     from edgellm.backends import Plan, get_backend

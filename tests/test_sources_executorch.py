@@ -33,14 +33,18 @@ LLAMA_TO_META = {"model.embed_tokens.weight": "tok_embeddings.weight",
                  "mlp.up_proj.weight": "feed_forward.w3.weight"}
 
 
-def llama_to_meta(sd: dict) -> dict:
+# ExecuTorch's qwen2_5 converter adds the q/k/v biases (it imports torchtune, so not used here)
+QWEN2_TO_META = LLAMA_TO_META | {f"self_attn.{x}_proj.bias": f"attention.w{x}.bias" for x in "qkv"}
+
+
+def llama_to_meta(sd: dict, names: dict = LLAMA_TO_META) -> dict:
     out = {}
     for key, value in sd.items():
         if key.startswith("model.layers."):
             _, _, layer, rest = key.split(".", 3)
-            out[f"layers.{layer}.{LLAMA_TO_META[rest]}"] = value
+            out[f"layers.{layer}.{names[rest]}"] = value
         else:
-            out[LLAMA_TO_META[key]] = value
+            out[names[key]] = value
     return out
 
 
@@ -80,6 +84,17 @@ def write_llama(folder, hf, out: Path):
     return "llama3_2", ref
 
 
+def write_qwen2(folder, hf, out: Path):
+    """Meta names with q/k/v biases, params as ExecuTorch's qwen2_5 configs write them; tied, so
+    output.weight is the embedding as its converter writes it."""
+    sd = llama_to_meta(hf.state_dict(), QWEN2_TO_META)
+    sd["output.weight"] = sd["tok_embeddings.weight"]
+    torch.save(sd, out / "model.pth")
+    (out / "params.json").write_text(json.dumps(params_for(
+        hf.config, norm_eps=hf.config.rms_norm_eps, use_hf_rope=True, attention_qkv_bias=True)))
+    return "qwen2_5_0_5b", hf
+
+
 def write_qwen3(folder, hf, out: Path):
     """ExecuTorch's own convert_weights, and params as its qwen3 configs write them."""
     from executorch.examples.models.qwen3.convert_weights import convert_weights
@@ -93,7 +108,7 @@ def write_qwen3(folder, hf, out: Path):
 
 
 @pytest.mark.parametrize("arch, write", [("lfm2", write_lfm2), ("llama", write_llama),
-                                         ("qwen3", write_qwen3)])
+                                         ("qwen2", write_qwen2), ("qwen3", write_qwen3)])
 def test_executorch_checkpoint_matches_transformers(tiny_models, prompt_ids, tmp_path, arch,
                                                      write):
     folder, hf = tiny_models[arch]
@@ -185,8 +200,8 @@ LFM2_PARAMS = dict(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=96, h
 
 
 @pytest.mark.parametrize("model_class, match", [
-    ("qwen2_5_0_5b", r"model_class 'qwen2_5_0_5b' is not supported: Qwen2\.5 .*no qwen2 "
-                     r"architecture.*Supported: lfm2_350m, .*qwen3_4b"),
+    ("qwen3_5_0_8b", r"model_class 'qwen3_5_0_8b' is not supported: Qwen3\.5 .*no qwen3_5 "
+                     r"architecture.*Supported: lfm2_350m, .*qwen2_5_0_5b, .*qwen3_4b"),
     ("gpt5", r"Unknown ExecuTorch model_class 'gpt5'\..*Supported: lfm2_350m"),
     ("llama3_3", r"Unknown ExecuTorch model_class 'llama3_3'\. Did you mean 'llama3_\d'\?")])
 def test_refuses_model_class(model_class, match):
@@ -321,3 +336,14 @@ def test_qwen3_params_need_its_head_norms():
     with pytest.raises(InputError, match=r"use_hf_rope, use_qk_norm and qk_norm_before_rope must "
                        r"all be true, as in ExecuTorch's qwen3 configs"):
         hf_config_from_params({**params, "use_qk_norm": False}, "qwen3_0_6b")
+
+
+def test_qkv_biases_belong_to_qwen2_only():
+    params = {**LFM2_PARAMS, "layer_types": None}
+    with pytest.raises(InputError, match=r"attention_qkv_bias=true: llama has no q/k/v biases "
+                       r"\(Qwen2\.5 has: model_class qwen2_5_0_5b"):
+        hf_config_from_params({**params, "use_qk_norm": False, "attention_qkv_bias": True},
+                              "llama3_2")
+    with pytest.raises(InputError, match=r"use_hf_rope and attention_qkv_bias must be true and "
+                       r"use_qk_norm false, as in ExecuTorch's qwen2_5 configs"):
+        hf_config_from_params({**params, "use_qk_norm": False}, "qwen2_5_0_5b")

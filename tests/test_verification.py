@@ -11,7 +11,7 @@ import edgellm
 from edgellm.cli import main
 
 
-@pytest.mark.parametrize("arch", ["lfm2", "llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["lfm2", "llama", "qwen2", "qwen3"])
 def test_export_verifies_its_program(tiny_models, tmp_path, arch, capsys):
     folder = tiny_models[arch][0]
     report = edgellm.export(folder, output=tmp_path / "x", backends="xnnpack", max_seq_len=16,

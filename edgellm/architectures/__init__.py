@@ -17,6 +17,7 @@ from .layers import ModelOptions, separate_tied_head
 
 ARCHITECTURES = {"lfm2": "LFM2 and LFM2.5 (short-conv + attention hybrids)",
                  "llama": "Llama 3.x, SmolLM2 and other Llama-layout models",
+                 "qwen2": "Qwen2 and Qwen2.5 (Llama layout with q, k and v biases)",
                  "qwen3": "Qwen3 dense models (Llama layout with per-head q and k norms)"}
 
 

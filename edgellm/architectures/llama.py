@@ -7,6 +7,8 @@ and only the last token's logits are computed.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -23,6 +25,17 @@ def check(cfg) -> list[str]:
     return out
 
 
+def sliding_layers(cfg, family: str) -> list[str]:
+    """Qwen's sliding-window layers (from max_window_layers on, when use_sliding_window is set):
+    the static cache here keeps every position, so such models are refused by name."""
+    sliding = [i for i, kind in enumerate(getattr(cfg, "layer_types", None) or [])
+               if kind != "full_attention"]
+    if getattr(cfg, "use_sliding_window", False) and sliding:
+        return [f"sliding-window attention in layers {sliding} (use_sliding_window); only "
+                f"full-attention {family} models export"]
+    return []
+
+
 def head_dim(cfg) -> int:
     return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
@@ -35,20 +48,28 @@ def rope_for(cfg, opts: ModelOptions) -> Rope:
         return Rope(hf_rope.inv_freq, hf_rope.attention_scaling, opts.max_context_len, opts.rope)
 
 
-class Attention(nn.Module):
-    """`qk_norm` (Qwen3): an RMSNorm over each head of q and k, before RoPE."""
+@dataclass(frozen=True)
+class Variant:
+    """What Llama-layout relatives add: Qwen2 biases on q, k and v (not o); Qwen3 an RMSNorm over
+    each head of q and k, before RoPE."""
 
-    def __init__(self, cfg, opts: ModelOptions, dtype, qk_norm: bool = False):
+    qkv_bias: bool = False
+    qk_norm: bool = False
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg, opts: ModelOptions, dtype, variant: Variant):
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = (cfg.num_attention_heads,
                                                   cfg.num_key_value_heads, head_dim(cfg))
         bias = getattr(cfg, "attention_bias", False)
-        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=bias)
+        qkv_bias = bias or variant.qkv_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=bias)
-        self.qk_norm = qk_norm
-        if qk_norm:
+        self.qk_norm = variant.qk_norm
+        if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, opts.norm)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, opts.norm)
         with torch.device("cpu"):
@@ -77,9 +98,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg, opts: ModelOptions, dtype, qk_norm: bool):
+    def __init__(self, cfg, opts: ModelOptions, dtype, variant: Variant):
         super().__init__()
-        self.self_attn = Attention(cfg, opts, dtype, qk_norm)
+        self.self_attn = Attention(cfg, opts, dtype, variant)
         self.mlp = MLP(cfg)
         affine = not opts.fold_norms
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, opts.norm, affine)
@@ -92,19 +113,19 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, cfg, opts: ModelOptions, dtype, qk_norm: bool):
+    def __init__(self, cfg, opts: ModelOptions, dtype, variant: Variant):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, opts, dtype, qk_norm)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, opts, dtype, variant)
                                     for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, opts.norm)
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg, opts: ModelOptions, dtype, qk_norm: bool = False):
+    def __init__(self, cfg, opts: ModelOptions, dtype, variant: Variant = Variant()):
         super().__init__()
         self.opts = opts
-        self.model = Backbone(cfg, opts, dtype, qk_norm)
+        self.model = Backbone(cfg, opts, dtype, variant)
         self.rope = rope_for(cfg, opts)
         self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
         if not self.tied:
@@ -130,6 +151,6 @@ class LlamaForCausalLM(nn.Module):
         return run_decoder(self, tokens, input_pos, self.model.norm, head_weight(self))
 
 
-def build(cfg, opts: ModelOptions, dtype, qk_norm: bool = False) -> LlamaForCausalLM:
+def build(cfg, opts: ModelOptions, dtype, variant: Variant = Variant()) -> LlamaForCausalLM:
     with torch.device("meta"):
-        return LlamaForCausalLM(cfg, opts, dtype, qk_norm)
+        return LlamaForCausalLM(cfg, opts, dtype, variant)

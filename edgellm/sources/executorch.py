@@ -7,7 +7,7 @@ params become a transformers config as ModelArgs.__post_init__ and llama/model.p
 LFM2's B/C/x projections are concatenated back into `conv.in_proj`; q/k rows are un-permuted when
 use_hf_rope is false; output.weight equal to tok_embeddings.weight means tied embeddings.
 Unlike ExecuTorch's loader, which ignores unknown params keys and tensors (strict=False), an
-unknown key or a ModelArgs field set to something lfm2/llama/qwen3 do not compute is refused,
+unknown key or a ModelArgs field set to something the architectures do not compute is refused,
 unknown tensors reach the model loader (which names them), and the .pth is opened with
 weights_only=True.
 """
@@ -31,10 +31,9 @@ MODEL_CLASSES = {**dict.fromkeys(("lfm2_350m", "lfm2_700m", "lfm2_1_2b", "lfm2_5
                                   "lfm2_5_1_2b"), "lfm2"),
                  **dict.fromkeys(("stories110m", "llama2", "llama3", "llama3_1", "llama3_2",
                                   "smollm2"), "llama"),
+                 **dict.fromkeys(("qwen2_5_0_5b", "qwen2_5_1_5b", "qwen2_5_coder_32b"), "qwen2"),
                  **dict.fromkeys(("qwen3_0_6b", "qwen3_1_7b", "qwen3_4b"), "qwen3")}
 UNSUPPORTED_CLASSES = {
-    **dict.fromkeys(("qwen2_5_0_5b", "qwen2_5_1_5b", "qwen2_5_coder_32b"),
-                    "Qwen2.5 (biases on q/k/v): edgellm has no qwen2 architecture yet"),
     **dict.fromkeys(("qwen3_5_0_8b", "qwen3_5_2b", "qwen3_5_4b"), "Qwen3.5 (gated DeltaNet "
                     "linear-attention layers): edgellm has no qwen3_5 architecture yet"),
     "phi_4_mini": "Phi-4-mini (partial rotary, LongRoPE): edgellm has no phi3 architecture yet",
@@ -47,11 +46,12 @@ _READ = dict(dim=None, n_layers=None, n_heads=None, vocab_size=None, n_kv_heads=
              hidden_dim=None, head_dim=None, multiple_of=256, ffn_dim_multiplier=None,
              norm_eps=1e-5, rope_theta=None, rope_freq_base=10000.0, use_scaled_rope=False,
              rope_scale_factor=8, high_freq_factor=4, use_hf_rope=False, use_qk_norm=False,
-             qk_norm_before_rope=False, layer_types=None)
+             qk_norm_before_rope=False, attention_qkv_bias=False, layer_types=None)
 _REQUIRED = ("dim", "n_layers", "n_heads", "vocab_size")
 _INTS = {"dim", "n_layers", "n_heads", "vocab_size", "n_kv_heads", "hidden_dim", "head_dim",
          "multiple_of", "rope_scale_factor", "high_freq_factor"}
-_FLAGS = {"use_scaled_rope", "use_hf_rope", "use_qk_norm", "qk_norm_before_rope"}
+_FLAGS = {"use_scaled_rope", "use_hf_rope", "use_qk_norm", "qk_norm_before_rope",
+          "attention_qkv_bias"}
 # Fields about the export or the runtime, or that only matter beside a refused feature (moe,
 # linear-attention layers, LongRoPE, LoRA): they do not change what lfm2/llama compute.
 _IGNORED = {"max_batch_size", "max_seq_len", "max_context_len", "use_kv_cache", "device",
@@ -64,7 +64,7 @@ _IGNORED = {"max_batch_size", "max_seq_len", "max_context_len", "use_kv_cache", 
             "linear_num_key_heads", "linear_num_value_heads"}
 # Fields that change the function: accepted only at their ModelArgs default
 _FIXED = dict(
-    attention_qkv_bias=False, qk_norm_affine=True, partial_rotary_factor=1.0, moe=False,
+    qk_norm_affine=True, partial_rotary_factor=1.0, moe=False,
     attention_type="mha", norm_type="rmsnorm", act_fn="silu", rms_norm_add_unit_offset=False,
     attention_multiplier=None, post_attention_norm=False, post_ffn_norm=False, output_bias=False,
     use_q_gate=False, logits_scaling=None, input_prune_map=None, output_prune_map=None,
@@ -95,11 +95,13 @@ _LAYER_NAMES = {
               "feed_forward.w1.weight": "mlp.gate_proj.weight",
               "feed_forward.w2.weight": "mlp.down_proj.weight",
               "feed_forward.w3.weight": "mlp.up_proj.weight"}}
+_LAYER_NAMES["qwen2"] = {**_LAYER_NAMES["llama"],
+                         **{f"attention.w{x}.bias": f"self_attn.{x}_proj.bias" for x in "qkv"}}
 _LAYER_NAMES["qwen3"] = {**_LAYER_NAMES["llama"],
                          "attention.q_norm_fn.weight": "self_attn.q_norm.weight",
                          "attention.k_norm_fn.weight": "self_attn.k_norm.weight"}
 _FINAL_NORM = {"lfm2": "model.embedding_norm.weight", "llama": "model.norm.weight",
-               "qwen3": "model.norm.weight"}
+               "qwen2": "model.norm.weight", "qwen3": "model.norm.weight"}
 _CONV_PARTS = ("conv.B_proj.weight", "conv.C_proj.weight", "conv.x_proj.weight")  # LFM2 only
 # State an ExecuTorch model.state_dict() or a Meta consolidated .pth carries beside the weights
 _BUFFERS = re.compile(r"^rope\.freqs$|\.conv_state$|\.kv_cache\.[kv]_cache$|\.mask$")
@@ -195,6 +197,19 @@ def _llama_problems(p: dict, model_class: str) -> list[str]:
     return out
 
 
+def _qwen2_problems(p: dict, model_class: str) -> list[str]:
+    out = _layer_kinds(p, ("full_attention",)) if p["layer_types"] is not None else []
+    if not (p["use_hf_rope"] and p["attention_qkv_bias"]) or p["use_qk_norm"]:
+        out.append("use_hf_rope and attention_qkv_bias must be true and use_qk_norm false, as in "
+                   "ExecuTorch's qwen2_5 configs (Qwen2 has biases on q, k and v and no q/k "
+                   "norms)")
+    if p["head_dim"] * p["n_heads"] != p["dim"]:
+        out.append(f"head_dim {p['head_dim']} must be dim / n_heads = {p['dim'] / p['n_heads']}")
+    if p["use_scaled_rope"]:
+        out.append("use_scaled_rope=true: ExecuTorch scales RoPE only for Meta-layout Llamas")
+    return out
+
+
 def _qwen3_problems(p: dict, model_class: str) -> list[str]:
     out = _layer_kinds(p, ("full_attention",)) if p["layer_types"] is not None else []
     if not (p["use_hf_rope"] and p["use_qk_norm"] and p["qk_norm_before_rope"]):
@@ -221,13 +236,16 @@ def _llama_rope(p: dict, model_class: str) -> dict:
 
 def hf_config_from_params(params: dict, model_class: str, *, tie_word_embeddings: bool = False,
                           origin: str = "ExecuTorch params JSON"):
-    """ExecuTorch params + base.model_class -> Lfm2Config, LlamaConfig or Qwen3Config. LFM2 is
-    always tied; a Llama or Qwen3 only when told (ExecuTorch's Transformer has its own output
-    projection; its qwen3 converter writes the embedding there for tied models)."""
+    """ExecuTorch params + base.model_class -> Lfm2Config, LlamaConfig, Qwen2Config or
+    Qwen3Config. LFM2 is always tied; the others only when told (ExecuTorch's Transformer has
+    its own output projection; its qwen converters write the embedding there for tied models)."""
     arch = architecture_of(model_class)
     p = _resolve(params, origin)
-    problems = {"lfm2": _lfm2_problems, "llama": _llama_problems,
+    problems = {"lfm2": _lfm2_problems, "llama": _llama_problems, "qwen2": _qwen2_problems,
                 "qwen3": _qwen3_problems}[arch](p, model_class)
+    if p["attention_qkv_bias"] and arch != "qwen2":
+        problems.append(f"attention_qkv_bias=true: {arch} has no q/k/v biases (Qwen2.5 has: "
+                        "model_class qwen2_5_0_5b, qwen2_5_1_5b or qwen2_5_coder_32b)")
     if problems:
         raise InputError(f"{origin} does not fit edgellm's {arch} (model_class {model_class}): "
                          f"{'; '.join(problems)}. Fix the params JSON or the model_class.")
@@ -244,6 +262,13 @@ def hf_config_from_params(params: dict, model_class: str, *, tie_word_embeddings
                                            "rope_theta": float(p["rope_freq_base"])},
                           conv_L_cache=3, conv_bias=False,  # ShortConv's fixed kernel, no bias
                           block_auto_adjust_ff_dim=False)  # hidden_dim is already the width
+    if arch == "qwen2":
+        from transformers import Qwen2Config
+
+        return Qwen2Config(**common, rms_norm_eps=p["norm_eps"],
+                           rope_parameters={"rope_type": "default",
+                                            "rope_theta": float(p["rope_freq_base"])},
+                           tie_word_embeddings=tie_word_embeddings)
     if arch == "qwen3":
         from transformers import Qwen3Config
 
