@@ -38,6 +38,7 @@ def _read(path: Path, **kwargs) -> dict:
 
 
 def load_gguf(path: Path) -> Source:
+    import gguf
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from ..architectures import architecture
@@ -45,14 +46,15 @@ def load_gguf(path: Path) -> Source:
     meta = _read(path)
     raw = {k: v for k, v in meta["config"].items() if k != "_model_name_or_path"}
     architecture(raw.get("model_type", "?"))  # refuse unsupported architectures early
-    head_dim = _key_length(path)
+    reader = gguf.GGUFReader(str(path))  # tensor types and fields transformers does not map
+    head_dim = _key_length(reader)
     if head_dim is not None and "head_dim" not in raw:
         raw["head_dim"] = head_dim
     cfg = AutoConfig.for_model(**raw)
     with torch.device("meta"):  # the skeleton only tells transformers the names to map to
         skeleton = AutoModelForCausalLM.from_config(cfg)
     state = _read(path, return_tensors=True, model_to_load=skeleton)["tensors"]
-    stored = _stored_types(path, meta["config"], skeleton)
+    stored = _stored_types(reader, meta["config"], skeleton)
     tok = meta.get("tokenizer", {})
 
     def write_tokenizer(out: Path) -> bool:
@@ -71,24 +73,21 @@ def load_gguf(path: Path) -> Source:
                   eos_ids=() if eos is None else (int(eos),), stored_types=stored)
 
 
-def _key_length(path: Path) -> int | None:
+def _key_length(reader) -> int | None:
     """The file's `ARCH.attention.key_length` (the head width), which transformers' GGUF config
     map leaves out for some architectures (qwen3: the config then takes Qwen3Config's default of
     128, and a model of other heads loads mis-shaped)."""
-    import gguf
-
-    fields = gguf.GGUFReader(str(path)).fields
+    fields = reader.fields
     arch = fields.get("general.architecture")
     found = arch is not None and fields.get(f"{arch.contents()}.attention.key_length")
     return int(found.contents()) if found else None
 
 
-def _stored_types(path: Path, config: dict, skeleton) -> dict:
+def _stored_types(reader, config: dict, skeleton) -> dict:
     """HF parameter name -> GGUF tensor type name, through transformers' own name mapping."""
-    import gguf
     from transformers.modeling_gguf_pytorch_utils import (TensorProcessor,
                                                           get_gguf_hf_weights_map)
 
     names = get_gguf_hf_weights_map(skeleton, TensorProcessor(config=config))
-    return {names[t.name]: t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors
+    return {names[t.name]: t.tensor_type.name for t in reader.tensors
             if t.name in names}
