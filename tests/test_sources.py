@@ -53,7 +53,7 @@ def test_index_naming_a_missing_shard(tiny_models, tmp_path):
         load_source(str(tmp_path / "m"))
 
 
-# HF module -> GGUF tensor, inside "model.layers.N." / "blk.N." (llama.cpp's names for qwen3)
+# HF module -> GGUF tensor, inside "model.layers.N." / "blk.N." (llama.cpp's names for qwen2/3)
 GGUF_LAYER = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
               "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
               "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
@@ -63,21 +63,24 @@ GGUF_TOP = {"model.embed_tokens.weight": "token_embd.weight",
             "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
 
 
-def write_qwen3_gguf(hf, tokenizer_json, path) -> None:
-    """The tiny Qwen3 as llama.cpp's converter lays it out: F32 tensors under GGUF names, the
-    architecture's metadata, and its byte-level BPE tokenizer as a gpt2 vocabulary with merges."""
+def write_qwen_gguf(hf, tokenizer_json, path) -> None:
+    """A tiny Qwen2 or Qwen3 as llama.cpp's converter lays it out: F32 tensors under GGUF names,
+    the architecture's metadata, and its byte-level BPE tokenizer as a gpt2 vocabulary with
+    merges."""
     import gguf
 
+    from edgellm.architectures.llama import head_dim
+
     cfg, tok = hf.config, json.loads(tokenizer_json.read_text())
-    w = gguf.GGUFWriter(str(path), "qwen3")
+    w = gguf.GGUFWriter(str(path), cfg.model_type)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
+    w.add_key_length(head_dim(cfg))
+    w.add_value_length(head_dim(cfg))
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     vocab = dict(tok["model"]["vocab"]) | {t["content"]: t["id"] for t in tok["added_tokens"]}
@@ -106,21 +109,26 @@ def write_qwen3_gguf(hf, tokenizer_json, path) -> None:
     w.close()
 
 
-def test_qwen3_gguf_exports_and_matches_transformers(tiny_models, prompt_ids, tmp_path):
-    """Its head width (32, not hidden / heads and not Qwen3Config's default 128) comes from the
-    file's attention.key_length, which transformers' GGUF config map leaves out; the program
-    matches transformers and ships a tokenizer that encodes as the model's own."""
+@pytest.mark.parametrize("arch, width", [("qwen2", 16), ("qwen3", 32)])
+def test_qwen_gguf_exports_and_matches_transformers(tiny_models, prompt_ids, tmp_path, arch,
+                                                    width):
+    """The program matches transformers and ships a tokenizer that encodes as the model's own.
+    Qwen3's head width (32, not hidden / heads and not Qwen3Config's default 128) comes from the
+    file's attention.key_length, which transformers' GGUF config map leaves out; Qwen2's q/k/v
+    biases come through as GGUF `.bias` tensors."""
     from tokenizers import Tokenizer
 
     import edgellm
     from conftest import PROMPT, assert_logits_close, cached_run, reference_run
     from edgellm.runtime import Program
 
-    folder, hf = tiny_models["qwen3"]
-    gguf_file = tmp_path / "tiny-qwen3-F32.gguf"
-    write_qwen3_gguf(hf, folder / "tokenizer.json", gguf_file)
+    from edgellm.architectures.llama import head_dim
+
+    folder, hf = tiny_models[arch]
+    gguf_file = tmp_path / f"tiny-{arch}-F32.gguf"
+    write_qwen_gguf(hf, folder / "tokenizer.json", gguf_file)
     source = load_source(str(gguf_file))
-    assert (source.hf_config.model_type, source.hf_config.head_dim) == ("qwen3", 32)
+    assert (source.hf_config.model_type, head_dim(source.hf_config)) == (arch, width)
     assert (source.bos_id, source.eos_ids) == (0, (1,))
     report = edgellm.export(gguf_file, output=tmp_path / "o", backends="xnnpack", max_seq_len=16,
                             max_context_len=32, quiet=True)
@@ -128,7 +136,7 @@ def test_qwen3_gguf_exports_and_matches_transformers(tiny_models, prompt_ids, tm
     tokens, expected = reference_run(hf, prompt_ids, steps=4)
     program = Program(tmp_path / "o" / "model.pte")
     assert_logits_close(cached_run(program.forward, prompt_ids, tokens), expected, atol=1e-4,
-                        what="qwen3 from GGUF")
+                        what=f"{arch} from GGUF")
     shipped = Tokenizer.from_file(str(tmp_path / "o" / "tokenizer.json"))
     assert shipped.encode(PROMPT).ids == Tokenizer.from_file(
         str(folder / "tokenizer.json")).encode(PROMPT).ids
