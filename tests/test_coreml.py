@@ -92,15 +92,17 @@ def test_settings_reach_the_compile_specs_and_sdpa_is_fused_only_from_ios18(tiny
     assert "softmax" not in d18["mil_histogram"]
 
 
-def test_every_norm_reaches_core_ml_with_its_fp16_guard(tiny_models, tmp_path):
+@pytest.mark.parametrize("arch, norms", [("lfm2", 11), ("qwen3", 9)])
+def test_every_norm_reaches_core_ml_with_its_fp16_guard(tiny_models, tmp_path, arch, norms):
     """LFM2 tiny: 4 layers x 2 norms + 2 attention layers x 1 (q and k heads normalized
-    together) + the final norm = 11, each one ATen node and each guarded in MIL."""
-    report = edgellm.export(tiny_models["lfm2"][0], output=tmp_path / "c", backends="coreml",
+    together) + the final norm = 11; Qwen3 tiny: 2 layers x (2 + q_norm + k_norm) + the final
+    norm = 9. Each is one ATen node and each is guarded in MIL."""
+    report = edgellm.export(tiny_models[arch][0], output=tmp_path / "c", backends="coreml",
                             max_seq_len=16, quiet=True)
     [delegate] = report["delegates"]["coreml"]
     ops = report["methods"]["forward"]["delegation"]["by_backend"]["CoreMLBackend"]["ops"]
-    assert ops["aten.rms_norm.default"] == 11
-    assert delegate["mil_histogram"]["reduce_max"] == 11  # the max|x| rescale of each norm
+    assert ops["aten.rms_norm.default"] == norms
+    assert delegate["mil_histogram"]["reduce_max"] == norms  # the max|x| rescale of each norm
     assert "rsqrt" not in delegate["mil_histogram"]  # no unguarded norm anywhere
 
 
