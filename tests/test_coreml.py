@@ -92,11 +92,11 @@ def test_settings_reach_the_compile_specs_and_sdpa_is_fused_only_from_ios18(tiny
     assert "softmax" not in d18["mil_histogram"]
 
 
-@pytest.mark.parametrize("arch, norms", [("lfm2", 11), ("qwen3", 9)])
+@pytest.mark.parametrize("arch, norms", [("lfm2", 11), ("qwen3", 7)])
 def test_every_norm_reaches_core_ml_with_its_fp16_guard(tiny_models, tmp_path, arch, norms):
     """LFM2 tiny: 4 layers x 2 norms + 2 attention layers x 1 (q and k heads normalized
-    together) + the final norm = 11; Qwen3 tiny: 2 layers x (2 + q_norm + k_norm) + the final
-    norm = 9. Each is one ATen node and each is guarded in MIL."""
+    together, layers.fused_qk) + the final norm = 11; Qwen3 tiny: 2 layers x (2 + 1, its q and
+    k heads fused the same way) + the final norm = 7. Each is one ATen node, guarded in MIL."""
     report = edgellm.export(tiny_models[arch][0], output=tmp_path / "c", backends="coreml",
                             max_seq_len=16, quiet=True)
     [delegate] = report["delegates"]["coreml"]

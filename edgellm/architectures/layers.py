@@ -32,7 +32,7 @@ class ModelOptions:
     rope: str = "rotate"  # "rotate": x*cos + rot(x)*sin; "matrix": one matmul per q and k
     conv: str = "conv1d"  # LFM2 short conv: "conv1d" (channels-first) or "window" (time-major)
     fold_norms: bool = False  # fold RMSNorm weights into the linears that follow them
-    fuse_qk: bool = False  # LFM2: q and k projections, norms and RoPE as one (architectures/lfm2.py)
+    fuse_qk: bool = False  # LFM2, Qwen3: q and k projections, norms and RoPE as one (fused_qk)
     separate_head: bool = False  # a tied head as its own parameter over the embedding's storage
 
 
@@ -140,6 +140,34 @@ def split_heads(x: torch.Tensor, n: int, head_dim: int, step: Step) -> torch.Ten
     if heads_axis(step) == 1:
         return x.view(1, n, 1, head_dim)
     return x.view(1, -1, n, head_dim)  # -1, not a symbolic T: XNNPACK takes only static views
+
+
+def fused_qk(attn: nn.Module, x: torch.Tensor, step: Step) -> tuple:
+    """q and k of an attention whose q and k heads are normalized before RoPE (LFM2, Qwen3),
+    written as one: `attn.qk_proj` (q_proj and k_proj concatenated at load time), one weightless
+    RMSNorm over every head (`attn.qk_layernorm`), one per-head weight multiply (`attn.qk_weight`,
+    (H + n_kv, 1, D)) and one RoPE. Core ML then receives one guarded norm per attention layer
+    instead of two. Returns (q, k) as split_heads lays them out."""
+    n, kv, d = attn.n_heads, attn.n_kv, attn.head_dim
+    qk = split_heads(attn.qk_proj(x), n + kv, d, step)
+    axis = heads_axis(step)  # (1, H+n_kv, 1, D) or (1, T, H+n_kv, D)
+    weight = attn.qk_weight if axis == 1 else attn.qk_weight.squeeze(1)
+    qk = step.rope(attn.qk_layernorm(qk) * weight)
+    return qk.narrow(axis, 0, n), qk.narrow(axis, n, kv)
+
+
+def fuse_qk_weights(sd: dict, prefix: str, norms: tuple[str, str], n_heads: int,
+                    n_kv: int) -> None:
+    """The checkpoint side of fused_qk for the attention at `prefix`: q_proj and k_proj -> qk_proj
+    (rows q then k); the q and k norm weights (`norms`, module names) -> qk_weight per head. A
+    tensor missing leaves the attention as it is, for the loader to name."""
+    names = [f"{prefix}.{n}.weight" for n in ("q_proj", "k_proj", *norms)]
+    if any(n not in sd for n in names):
+        return
+    q, k, qn, kn = (sd.pop(n) for n in names)
+    sd[f"{prefix}.qk_proj.weight"] = torch.cat([q, k])
+    sd[f"{prefix}.qk_weight"] = torch.cat([qn.expand(n_heads, -1),
+                                          kn.expand(n_kv, -1)])[:, None, :]
 
 
 def to_heads(x: torch.Tensor, step: Step) -> torch.Tensor:

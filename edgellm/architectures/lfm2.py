@@ -17,8 +17,8 @@ from torch import nn
 
 from ..errors import InputError
 
-from .layers import (KVCache, ModelOptions, RMSNorm, Rope, fold_norm, head_weight, heads_axis,
-                     run_decoder, split_heads, write_at)
+from .layers import (KVCache, ModelOptions, RMSNorm, Rope, fold_norm, fuse_qk_weights, fused_qk,
+                     head_weight, run_decoder, split_heads, write_at)
 
 
 def check(cfg) -> list[str]:
@@ -48,9 +48,7 @@ def ffn_width(cfg) -> int:
 
 
 class Attention(nn.Module):
-    """With `fuse_qk`, q_proj and k_proj are one linear at load time and the q and k heads share
-    one weightless RMSNorm, one per-head weight multiply and one RoPE matmul: Core ML receives one
-    guarded norm per attention layer instead of two."""
+    """With `fuse_qk`, q and k are computed as one (layers.fused_qk)."""
 
     def __init__(self, cfg, opts: ModelOptions, dtype):
         super().__init__()
@@ -74,20 +72,12 @@ class Attention(nn.Module):
     def forward(self, x, step):
         v = split_heads(self.v_proj(x), self.n_kv, self.head_dim, step)
         if self.fused:
-            q, k = self._fused_qk(x, step)
+            q, k = fused_qk(self, x, step)
         else:
             q = self.q_layernorm(split_heads(self.q_proj(x), self.n_heads, self.head_dim, step))
             k = self.k_layernorm(split_heads(self.k_proj(x), self.n_kv, self.head_dim, step))
             q, k = step.rope(q), step.rope(k)
         return self.out_proj(self.cache(q, k, v, step))
-
-    def _fused_qk(self, x, step):
-        qk = split_heads(self.qk_proj(x), self.n_heads + self.n_kv, self.head_dim, step)
-        axis = heads_axis(step)  # (1, H+n_kv, 1, D) or (1, T, H+n_kv, D)
-        weight = self.qk_weight if axis == 1 else self.qk_weight.squeeze(1)
-        qk = step.rope(self.qk_layernorm(qk) * weight)
-        return (qk.narrow(axis, 0, self.n_heads),
-                qk.narrow(axis, self.n_heads, self.n_kv))
 
 
 class WindowConv(nn.Module):
@@ -237,19 +227,11 @@ class Lfm2ForCausalLM(nn.Module):
             fold_norm(sd, f"{p}.ffn_norm", [f"{p}.feed_forward.w1", f"{p}.feed_forward.w3"])
 
     def _fuse_qk(self, sd: dict) -> None:
-        """q_proj and k_proj -> qk_proj (rows q then k); q/k_layernorm -> qk_weight per head."""
         for i, layer in enumerate(self.model.layers):
-            if not layer.is_attention:
-                continue
-            p, attn = f"model.layers.{i}.self_attn", layer.self_attn
-            names = [f"{p}.{n}" for n in ("q_proj.weight", "k_proj.weight",
-                                          "q_layernorm.weight", "k_layernorm.weight")]
-            if any(n not in sd for n in names):
-                continue  # the loader names what is missing
-            q, k, qn, kn = (sd.pop(n) for n in names)
-            sd[f"{p}.qk_proj.weight"] = torch.cat([q, k])
-            sd[f"{p}.qk_weight"] = torch.cat([qn.expand(attn.n_heads, -1),
-                                              kn.expand(attn.n_kv, -1)])[:, None, :]
+            if layer.is_attention:
+                attn = layer.self_attn
+                fuse_qk_weights(sd, f"model.layers.{i}.self_attn", ("q_layernorm", "k_layernorm"),
+                                attn.n_heads, attn.n_kv)
 
     @staticmethod
     def _drop_tied_head(sd: dict) -> None:

@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .layers import (KVCache, ModelOptions, RMSNorm, Rope, fold_norm, head_weight, run_decoder,
-                     split_heads)
+from .layers import (KVCache, ModelOptions, RMSNorm, Rope, fold_norm, fuse_qk_weights, fused_qk,
+                     head_weight, run_decoder, split_heads)
 
 
 def check(cfg) -> list[str]:
@@ -63,25 +63,34 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv, self.head_dim = (cfg.num_attention_heads,
                                                   cfg.num_key_value_heads, head_dim(cfg))
         bias = getattr(cfg, "attention_bias", False)
-        qkv_bias = bias or variant.qkv_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * self.head_dim, bias=qkv_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=bias)
+        qkv_bias, hd, eps = bias or variant.qkv_bias, self.head_dim, cfg.rms_norm_eps
         self.qk_norm = variant.qk_norm
-        if self.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, opts.norm)
-            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, opts.norm)
+        self.fused = self.qk_norm and opts.fuse_qk and not qkv_bias  # layers.fused_qk
+        if self.fused:
+            self.qk_proj = nn.Linear(cfg.hidden_size, (self.n_heads + self.n_kv) * hd, bias=False)
+            self.qk_layernorm = RMSNorm(hd, eps, opts.norm, affine=False)
+            self.qk_weight = nn.Parameter(torch.empty(self.n_heads + self.n_kv, 1, hd))
+        else:
+            self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * hd, bias=qkv_bias)
+            self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * hd, bias=qkv_bias)
+        if self.qk_norm and not self.fused:
+            self.q_norm = RMSNorm(hd, eps, opts.norm)
+            self.k_norm = RMSNorm(hd, eps, opts.norm)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * hd, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.n_heads * hd, cfg.hidden_size, bias=bias)
         with torch.device("cpu"):
             self.cache = KVCache(self.n_heads, self.n_kv, self.head_dim, opts, dtype)
 
     def forward(self, x, step):
-        q = split_heads(self.q_proj(x), self.n_heads, self.head_dim, step)
-        k = split_heads(self.k_proj(x), self.n_kv, self.head_dim, step)
         v = split_heads(self.v_proj(x), self.n_kv, self.head_dim, step)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = step.rope(q), step.rope(k)
+        if self.fused:
+            q, k = fused_qk(self, x, step)
+        else:
+            q = split_heads(self.q_proj(x), self.n_heads, self.head_dim, step)
+            k = split_heads(self.k_proj(x), self.n_kv, self.head_dim, step)
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = step.rope(q), step.rope(k)
         return self.o_proj(self.cache(q, k, v, step))
 
 
@@ -133,6 +142,8 @@ class LlamaForCausalLM(nn.Module):
         self.state_dict_hooks = (self._drop_tied_head,)
         if opts.fold_norms:
             self.state_dict_hooks += (self._fold_norms,)
+        if self.model.layers[0].self_attn.fused:  # after the fold, which writes q/k_proj
+            self.state_dict_hooks += (self._fuse_qk,)
 
     def _fold_norms(self, sd: dict) -> None:
         """Each block's two norms feed only linears: fold their weights into them."""
@@ -141,6 +152,12 @@ class LlamaForCausalLM(nn.Module):
             fold_norm(sd, f"{p}.input_layernorm", [f"{p}.self_attn.{n}_proj" for n in "qkv"])
             fold_norm(sd, f"{p}.post_attention_layernorm",
                       [f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"])
+
+    def _fuse_qk(self, sd: dict) -> None:
+        for i, layer in enumerate(self.model.layers):
+            attn = layer.self_attn
+            fuse_qk_weights(sd, f"model.layers.{i}.self_attn", ("q_norm", "k_norm"), attn.n_heads,
+                            attn.n_kv)
 
     def _drop_tied_head(self, sd: dict) -> None:
         # Tied checkpoints may or may not store lm_head.weight; it is embed_tokens.weight either way.

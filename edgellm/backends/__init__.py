@@ -141,13 +141,14 @@ class Plan:
         """How the model is written for this chain and export config: the first backend's
         `writing`, except that where the recipe keeps the source's 4-bit grids (`stored`: its
         storage types; quantize.keeps_source_grids) no norm weight is folded into the linears
-        after it, which would move their blocks off the grid."""
+        after it, which would move their blocks off the grid, and q and k stay two linears,
+        under the names the storage types are known by."""
         from ..architectures.layers import ModelOptions
         from ..quantize import keeps_source_grids
 
         writing = dict(self.backends[0].writing)
         if keeps_source_grids(cfg, stored):
-            writing["fold_norms"] = False
+            writing["fold_norms"] = writing["fuse_qk"] = False
         return ModelOptions(max_context_len=cfg.context_len, **writing)
 
     def partitioners(self) -> list:
