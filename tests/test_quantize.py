@@ -282,3 +282,17 @@ def test_a_grid_through_zero_stays_one_linear():
     done = quantize(model, ExportConfig(quantize="8da4w"), {"proj.weight": "Q4_0"})
     assert type(model.proj) is nn.Linear and done.linears_on_source_grid == 1
     torch.testing.assert_close(model.proj.weight.dequantize(), weight, rtol=0, atol=1e-7)
+
+
+def test_core_ml_writes_the_model_apart_only_where_a_grid_is_kept():
+    """Folding norms or fusing q and k rewrites the linears a GGUF's grid lives in; Core ML's
+    writing keeps both unless a 4-bit recipe at the file's block keeps that grid."""
+    from edgellm.backends import Plan, get_backend
+
+    plan = Plan((get_backend("coreml"),), (None,))
+    q4 = {"model.layers.0.mlp.up_proj.weight": "Q4_1"}
+    cases = [(dict(quantize="4w"), q4, False), (dict(quantize="4w", group_size=64), q4, True),
+             (dict(quantize="8w"), q4, True), (dict(quantize="4w"), {}, True), ({}, q4, True)]
+    for fields, stored, rewritten in cases:
+        opts = plan.model_options(ExportConfig(backends=("coreml",), **fields), stored)
+        assert (opts.fold_norms, opts.fuse_qk) == (rewritten, rewritten), (fields, stored)
