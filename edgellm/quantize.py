@@ -25,8 +25,8 @@ grid is offset (Q4_1's float minimum, which integer zero points cannot hold), a 
 block applied to the input's block sums (`GridLinear`). Linears the GGUF keeps above 4 bits while
 it stores others at 4 (SmolLM2's Q8_0 tied head) get 8-bit weights under a 4-bit recipe: the
 file's author spared them. `4w` (Core ML) keeps grids the same way, weight-only; Core ML's build
-then leaves RMSNorm weights unfolded, since folding them into a linear moves every block off the
-file's grid (`keeps_source_grids`, read by backends.Plan.model_options).
+then leaves RMSNorm weights unfolded (folding one into a linear moves every block off the file's
+grid) and q and k apart (`keeps_source_grids`, read by backends.Plan.model_options).
 """
 
 from __future__ import annotations
