@@ -82,15 +82,16 @@ class Attention(nn.Module):
             self.cache = KVCache(self.n_heads, self.n_kv, self.head_dim, opts, dtype)
 
     def forward(self, x, step):
-        v = split_heads(self.v_proj(x), self.n_kv, self.head_dim, step)
         if self.fused:
+            v = split_heads(self.v_proj(x), self.n_kv, self.head_dim, step)
             q, k = fused_qk(self, x, step)
-        else:
-            q = split_heads(self.q_proj(x), self.n_heads, self.head_dim, step)
-            k = split_heads(self.k_proj(x), self.n_kv, self.head_dim, step)
-            if self.qk_norm:
-                q, k = self.q_norm(q), self.k_norm(k)
-            q, k = step.rope(q), step.rope(k)
+            return self.o_proj(self.cache(q, k, v, step))
+        q = split_heads(self.q_proj(x), self.n_heads, self.head_dim, step)
+        k = split_heads(self.k_proj(x), self.n_kv, self.head_dim, step)
+        v = split_heads(self.v_proj(x), self.n_kv, self.head_dim, step)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = step.rope(q), step.rope(k)
         return self.o_proj(self.cache(q, k, v, step))
 
 
