@@ -23,8 +23,9 @@ from .errors import InputError
 
 def bandwidth_gbs(megabytes: int = 1024, repeats: int = 5) -> float:
     """Memory read bandwidth: the best of `repeats` sums over a tensor far larger than caches, on
-    every core this process may use (also when OMP_NUM_THREADS=1 keeps programs' OpenMP teams to one thread: see
-    edgellm/openmp.py; torch's own threads here are this thread's setting, so it can be raised)."""
+    every core this process may use (also when OMP_NUM_THREADS=1 keeps programs' OpenMP teams to
+    one thread, edgellm/openmp.py: torch's own threads here are this thread's setting, so it can
+    be raised)."""
     x = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32)
     best, threads = float("inf"), torch.get_num_threads()
     torch.set_num_threads(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")

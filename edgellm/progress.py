@@ -62,15 +62,15 @@ def long_run_collector(young: int = YOUNG_COLLECTION_EVERY):
     counting still frees them) and young collections wait for `young` allocations.
     Cycles a stage drops are still freed: `release_memory` collects between stages. A process
     that froze objects of its own before keeps its freeze (an unfreeze here would undo it)."""
-    threshold, frozen = gc.get_threshold(), gc.get_freeze_count() == 0
-    if frozen:
+    threshold, ours = gc.get_threshold(), gc.get_freeze_count() == 0  # ours: we freeze, we thaw
+    if ours:
         gc.freeze()
     gc.set_threshold(young, *threshold[1:])
     try:
         yield
     finally:
         gc.set_threshold(*threshold)
-        if frozen:
+        if ours:
             gc.unfreeze()
 
 

@@ -231,7 +231,9 @@ class Quantized:
 
 def keeps_source_grids(cfg, stored: dict | None) -> bool:
     """Whether the recipe keeps a source's 4-bit grids: a 4-bit recipe at the file's block
-    (group unset or 32) over a source storing Q4_0 / Q4_1 tensors."""
+    (group unset or 32) over a source storing Q4_0 / Q4_1 tensors (`stored`: name -> storage
+    type). The one rule for both sides: quantize keeps the grids by it, and
+    backends.Plan.model_options writes the model so that they survive."""
     recipe = RECIPES.get(cfg.quantize) if cfg.quantize else None
     return (recipe is not None and recipe.bits == 4 and cfg.group_size in (None, GRID_BLOCK)
             and any(t in GRID_TYPES for t in (stored or {}).values()))
@@ -349,8 +351,8 @@ def quantize(model, cfg, stored: dict | None = None) -> Quantized:
     from .progress import drop_checkpoint_pages
 
     types = source_types(model, stored or {})
-    linear_types = [t for n, t in types.items() if n != "embedding"]
-    four_bit = any((stored_bits(t) or 99) <= 4 for t in linear_types)
+    linear_types = {n: t for n, t in types.items() if n != "embedding"}
+    four_bit = any((stored_bits(t) or 99) <= 4 for t in linear_types.values())
     done = Quantized(cfg.quantize, None, cfg.embedding_quantize)
     if cfg.embedding_quantize:
         _quantize_embeddings(model, cfg, types, four_bit, done)
@@ -358,10 +360,9 @@ def quantize(model, cfg, stored: dict | None = None) -> Quantized:
         return done
     recipe = RECIPES[cfg.quantize]
     four_bit &= recipe.bits == 4
-    grids = recipe.bits == 4 and any(t in GRID_TYPES for t in linear_types)
-    group = done.group_size = GRID_BLOCK if grids and cfg.group_size is None else group_of(cfg)
-    saved = _keep_grids(model, types, recipe.dynamic, done) if grids and group == GRID_BLOCK \
-        else []
+    grids = keeps_source_grids(cfg, linear_types)  # the rule the build writes the model by
+    group = done.group_size = GRID_BLOCK if grids else group_of(cfg)
+    saved = _keep_grids(model, types, recipe.dynamic, done) if grids else []
     grid_parts = {f"{n}.{part}" for n, m in model.named_modules() if isinstance(m, GridLinear)
                   for part in ("sums", "offset")}  # float by design
 
