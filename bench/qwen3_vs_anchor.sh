@@ -3,11 +3,13 @@
 # 8-bit embeddings: ExecuTorch's own examples/models/qwen3/config/qwen3_xnnpack_q8da4w.yaml.
 #
 # usage: bench/qwen3_vs_anchor.sh OUTDIR
-#   env ANCHOR_VENV: export_llm's venv (default /tmp/edgellm-anchor-venv, as ../shared/bench/anchor.sh
-#   installs it; run that first if it is missing)
+#   env ANCHOR_VENV: export_llm's venv (default /tmp/edgellm-anchor-venv, as
+#   ../shared/bench/anchor.sh installs it; run that first if it is missing)
 # OUTDIR/hf (bench/make_checkpoint.py, seed 0, tied) and OUTDIR/anchor.pth (ExecuTorch's qwen3
-# convert_weights) are reused if present. Writes OUTDIR/anchor.jsonl and OUTDIR/edgellm.jsonl, prints
-# the export table, then the interleaved speed of both programs (speed_vs_anchor.py).
+# convert_weights) are reused if present. Writes OUTDIR/anchor.jsonl and OUTDIR/edgellm.jsonl,
+# prints the export table (its speed rows: one measurement each, in summarize.py's process), then
+# the interleaved speed of both programs over 5 rounds (speed_vs_anchor.py), which BENCHMARKS.md
+# reports.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/.." && pwd)
