@@ -313,9 +313,15 @@ def separate_tied_head(lm: nn.Module) -> None:
 def run_decoder(lm: nn.Module, tokens: torch.Tensor, input_pos: torch.Tensor, final_norm: nn.Module,
                 head: torch.Tensor) -> torch.Tensor:
     """The top of every architecture: embed, every layer, final norm and head on the last token.
-    `lm` has `.opts`, `.rope` and `.model` with `embed_tokens` and `layers`."""
+    Only the last token's logits leave the program, so the last layer's feed-forward runs on that
+    token alone (its mixer still sees every token: they fill the caches). `lm` has `.opts`,
+    `.rope` and `.model` with `embed_tokens` and `layers`, whose forward takes `last_only`."""
     x = lm.model.embed_tokens(tokens)  # (1, T, hidden)
     step = make_step(input_pos, tokens.shape[1], lm.opts, lm.rope, x.dtype)
-    for layer in lm.model.layers:
+    *layers, last = lm.model.layers
+    for layer in layers:
         x = layer(x, step)
-    return F.linear(final_norm(x[:, -1, :]), head)  # (1, vocab)
+    # a select, not a slice: XNNPACK leaves either out, and after a select the feed-forward, final
+    # norm and head share one delegate; a static one-token step has nothing to drop
+    x = last(x, step, last_only=True) if not step.single else last(x, step)[:, -1, :]
+    return F.linear(final_norm(x), head)  # (1, vocab)

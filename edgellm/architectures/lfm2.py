@@ -164,10 +164,11 @@ class DecoderLayer(nn.Module):
         self.operator_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, opts.norm, affine)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, opts.norm, affine)
 
-    def forward(self, x, step):
+    def forward(self, x, step, last_only: bool = False):
         h = self.operator_norm(x)
         h = self.self_attn(h, step) if self.is_attention else self.conv(h, step)
         x = x + h
+        x = x[:, -1] if last_only else x  # run_decoder: (1, hidden), the last token
         return x + self.feed_forward(self.ffn_norm(x))
 
 

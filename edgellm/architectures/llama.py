@@ -117,8 +117,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, opts.norm,
                                                 affine)
 
-    def forward(self, x, step):
+    def forward(self, x, step, last_only: bool = False):
         x = x + self.self_attn(self.input_layernorm(x), step)
+        x = x[:, -1] if last_only else x  # run_decoder: (1, hidden), the last token
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
