@@ -241,12 +241,15 @@ def keeps_source_grids(cfg, stored: dict | None) -> bool:
 
 def source_types(model, stored: dict) -> dict:
     """Linear module name -> the source's storage type of its weight, and "embedding" -> the
-    table's; a tied head (no weight of its own in the source) takes the embedding's."""
+    table's; a tied head (no weight of its own in the source) takes the embedding's. A model that
+    renamed parameters at load (LFM2's split in_proj) says whose they were by `source_name`."""
     from torch import nn
 
     names = {n: m for n, m in model.named_modules()}
+    source = getattr(model, "source_name", lambda name: name)
     embed = next((f"{n}.weight" for n, m in names.items() if isinstance(m, nn.Embedding)), None)
-    out = {n: stored.get(f"{n}.weight") for n, m in names.items() if isinstance(m, nn.Linear)}
+    out = {n: stored.get(source(f"{n}.weight")) for n, m in names.items()
+           if isinstance(m, nn.Linear)}
     if "lm_head" in out and out["lm_head"] is None:
         out["lm_head"] = stored.get(embed)
     out["embedding"] = stored.get(embed)

@@ -210,8 +210,8 @@ def test_without_storage_types_8da4w_requantizes_as_before():
     assert (model.proj.weight.dequantize() - grid).abs().max() > 1e-3
 
 
-def gridded_llama(tiny_models, tmp_path, monkeypatch) -> Path:
-    """The tiny Llama with Q4_1 linears and Q8_0 embedding and head, read as a GGUF would be
+def gridded(tiny_models, tmp_path, monkeypatch, arch: str = "llama") -> Path:
+    """A tiny model with Q4_1 linears and Q8_0 embedding and head, read as a GGUF would be
     (storage types and all). Its norm weights are not ones, so folding one into the linears after
     it would move their blocks off the grid."""
     import safetensors.torch
@@ -219,13 +219,14 @@ def gridded_llama(tiny_models, tmp_path, monkeypatch) -> Path:
     import edgellm.sources.hf as hf
 
     folder = tmp_path / "gridded"
-    shutil.copytree(tiny_models["llama"][0], folder)
+    shutil.copytree(tiny_models[arch][0], folder)
     [weights] = folder.glob("*.safetensors")
     state = safetensors.torch.load_file(weights)
     stored, norms = {}, torch.Generator().manual_seed(0)
     for name, tensor in state.items():
         if tensor.dim() == 2:
-            stored[name] = "Q4_1" if name.endswith("_proj.weight") else "Q8_0"
+            top = name.startswith(("model.embed_tokens.", "lm_head."))
+            stored[name] = "Q8_0" if top else "Q4_1"
             state[name] = gguf_weight(tensor.shape, stored[name], seed=len(stored))
         elif name.endswith("norm.weight"):
             state[name] = 1 + 0.3 * torch.randn(tensor.shape, generator=norms)
@@ -252,7 +253,7 @@ def test_a_gguf_grid_survives_into_the_program(tiny_models, tmp_path, monkeypatc
     what is left is the 8-bit head). `edgellm verify` on the folder gives the export's figures."""
     from edgellm.verification import verify
 
-    folder = gridded_llama(tiny_models, tmp_path, monkeypatch)
+    folder = gridded(tiny_models, tmp_path, monkeypatch)
     reports = {}
     for group in (None, 64):
         reports[group] = edgellm.export(folder, output=tmp_path / f"q{group}", backends=backend,
@@ -265,6 +266,19 @@ def test_a_gguf_grid_survives_into_the_program(tiny_models, tmp_path, monkeypatc
     kept, requantized = (cost_of(reports[g])[1] for g in (None, 64))
     assert kept["sqnr_db"] > requantized["sqnr_db"] + margin
     assert verify(tmp_path / "qNone")["checks"] == reports[None]["verify"]["checks"]
+
+
+def test_lfm2s_split_conv_projection_keeps_the_file_grid(tiny_models, tmp_path, monkeypatch):
+    """LFM2's conv in_proj is loaded as three linears (B, C, x: rows of it); each keeps the grid
+    the file stored in_proj on. Tiny LFM2: 2 conv layers x 4 linears, 2 attention layers x 4,
+    4 feed-forwards x 3 = 28 on the grid (22 if B, C and x lost in_proj's storage type)."""
+    folder = gridded(tiny_models, tmp_path, monkeypatch, "lfm2")
+    report = edgellm.export(folder, output=tmp_path / "o", backends="xnnpack", quantize="8da4w",
+                            quiet=True, **SIZES)
+    q = report["quantization"]
+    assert (q["group_size"], q["linears_on_source_grid"], q["linears_at_8_bits"]) == \
+        (32, 28, ["lm_head"])
+    assert report["verify"]["passed"]
 
 
 def test_a_grid_through_zero_stays_one_linear():

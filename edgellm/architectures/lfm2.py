@@ -6,6 +6,7 @@ Same math and parameter names as transformers' Lfm2ForCausalLM. Differences:
   code path. The state is zeroed when a call starts a sequence (input_pos == 0).
 - `in_proj` is split at load time into B, C and x projections (one place: `_split_in_proj`):
   a split of the fused output breaks XNNPACK graphs (split_with_sizes has no XNNPACK config).
+  `source_name` maps the three back, so a GGUF's storage type of in_proj reaches each of them.
 - A static KV cache per attention layer; only the last token's logits are computed.
 """
 
@@ -199,6 +200,15 @@ class Lfm2ForCausalLM(nn.Module):
             self.state_dict_hooks += (self._fold_norms,)
         if opts.fuse_qk:
             self.state_dict_hooks += (self._fuse_qk,)
+
+    @staticmethod
+    def source_name(name: str) -> str:
+        """The checkpoint's name of a parameter: b/c/x_proj are rows of `conv.in_proj`. A split
+        by rows keeps whole the blocks a GGUF quantizes along each row, so the file's grid (and
+        storage type) holds for each part."""
+        for part in ("b_proj", "c_proj", "x_proj"):
+            name = name.replace(f".conv.{part}.", ".conv.in_proj.")
+        return name
 
     def _split_in_proj(self, sd: dict) -> None:
         """HF's fused conv.in_proj (3*hidden rows: B, C, x) -> b_proj, c_proj, x_proj."""
