@@ -223,7 +223,8 @@ class Quantized:
                        f"source stores the table as {self.embeddings_stored_as}")
         if self.linears_at_8_bits:
             eight = self.linears_at_8_bits
-            out.append(f"[edgellm] quantize: {len(eight)} linears get 8-bit weights: the source "
+            many = "linears get" if len(eight) > 1 else "linear gets"
+            out.append(f"[edgellm] quantize: {len(eight)} {many} 8-bit weights: the source "
                        f"stores them above 4 bits ({', '.join(eight[:3])}"
                        f"{', ...' if len(eight) > 3 else ''})")
         return out
@@ -247,13 +248,19 @@ def source_types(model, stored: dict) -> dict:
 
     names = {n: m for n, m in model.named_modules()}
     source = getattr(model, "source_name", lambda name: name)
-    embed = next((f"{n}.weight" for n, m in names.items() if isinstance(m, nn.Embedding)), None)
+    embed = f"{_embedding_name(model)}.weight"
     out = {n: stored.get(source(f"{n}.weight")) for n, m in names.items()
            if isinstance(m, nn.Linear)}
     if "lm_head" in out and out["lm_head"] is None:
         out["lm_head"] = stored.get(embed)
     out["embedding"] = stored.get(embed)
     return {n: t for n, t in out.items() if t is not None}
+
+
+def _embedding_name(model) -> str | None:
+    from torch import nn
+
+    return next((n for n, m in model.named_modules() if isinstance(m, nn.Embedding)), None)
 
 
 def _torchao(bits: int, group: int, dynamic: bool, algorithm: str = HQQ, exact: bool = False):
@@ -280,13 +287,22 @@ def _packed(weight, bits: int, group: int) -> int:
     return rows * cols * bits // 8 + rows * (1 if group == 0 else cols // group) * 4
 
 
-def _quantize_embeddings(model, cfg, types: dict, four_bit: bool, done: Quantized) -> None:
+def _spared_tied_head(model, cfg, types: dict, four_bit: bool) -> bool:
+    """Whether the head is the embedding table itself (tied, no linear of its own: Core ML's
+    build) and gets the 8 bits a 4-bit recipe gives a head the source stored above 4 bits (as
+    XNNPACK's separate head does): then the table is quantized to 8 bits, per row, with it."""
+    recipe = RECIPES.get(cfg.quantize) if cfg.quantize else None
+    return (getattr(model, "lm_head", None) is None and recipe is not None and recipe.bits == 4
+            and four_bit and (stored_bits(types.get("embedding")) or 0) > 4)
+
+
+def _quantize_embeddings(model, text: str, types: dict, four_bit: bool, done: Quantized) -> None:
     from torch import nn
     from torchao.quantization import quantize_
 
     from .errors import InputError
 
-    bits, group = parse_embedding(cfg.embedding_quantize)
+    bits, group = parse_embedding(text)
     if bits == 4 and four_bit and (stored_bits(types.get("embedding")) or 0) > 4:
         bits, group = 8, 0  # the source spared its table: 8 bits per row
         done.embeddings, done.embeddings_stored_as = "8,0", types["embedding"]
@@ -357,8 +373,15 @@ def quantize(model, cfg, stored: dict | None = None) -> Quantized:
     linear_types = {n: t for n, t in types.items() if n != "embedding"}
     four_bit = any((stored_bits(t) or 99) <= 4 for t in linear_types.values())
     done = Quantized(cfg.quantize, None, cfg.embedding_quantize)
+    head_in_table = 0  # float bytes of a tied head's table, which decode reads whole
+    if not cfg.embedding_quantize and _spared_tied_head(model, cfg, types, four_bit):
+        table = model.get_submodule(_embedding_name(model)).weight
+        head_in_table = table.numel() * table.element_size() - _packed(table, 8, 0)
+        done.embeddings, done.embeddings_stored_as = "8", types["embedding"]
+        done.linears_at_8_bits.append("lm_head")
+        _quantize_embeddings(model, "8", types, four_bit, done)
     if cfg.embedding_quantize:
-        _quantize_embeddings(model, cfg, types, four_bit, done)
+        _quantize_embeddings(model, cfg.embedding_quantize, types, four_bit, done)
     if not cfg.quantize:
         return done
     recipe = RECIPES[cfg.quantize]
@@ -411,5 +434,5 @@ def quantize(model, cfg, stored: dict | None = None) -> Quantized:
         raise InputError(f"quantize: no linear layer's input width is a multiple of group_size "
                          f"{group}; choose a group size that divides the hidden size, or 0 for "
                          "per-channel")
-    done.bytes_saved, done.linears_quantized = sum(saved), len(saved)
+    done.bytes_saved, done.linears_quantized = sum(saved) + head_in_table, len(saved)
     return done

@@ -197,6 +197,39 @@ def test_4bit_recipes_keep_a_gguf_grid_and_what_the_file_spared(recipe):
     assert any("keep the source's 4-bit grid exactly" in line for line in done.notes())
 
 
+def test_a_head_tied_to_a_spared_table_gets_8_bits_with_it():
+    """Core ML's build keeps a tied head as the embedding table itself: where the file stored that
+    table above 4 bits, a 4-bit recipe quantizes the table to 8 bits per row (the head multiplies
+    by it), as a separate head would get; asked for, or from a float source, nothing changes."""
+    from torch import nn
+
+    def tied(seed=0):
+        model = nn.Module()
+        model.embed_tokens, model.proj = nn.Embedding(100, 64), nn.Linear(64, 96)
+        model.proj.weight.data = gguf_weight((96, 64), "Q4_1", seed=seed)
+        model.embed_tokens.weight.data = gguf_weight((100, 64), "Q8_0", seed=seed + 1)
+        return model
+
+    stored = {"embed_tokens.weight": "Q8_0", "proj.weight": "Q4_1"}
+    model = tied()
+    table = model.embed_tokens.weight.detach().clone()
+    done = quantize(model, ExportConfig(quantize="4w"), stored)
+    q = done.report()
+    assert (q["embeddings"], q["embeddings_stored_as"], q["linears_at_8_bits"]) == \
+        ("8", "Q8_0", ["lm_head"])
+    assert model.embed_tokens.weight.qdata.abs().max() > 8  # 8-bit codes, one scale per row
+    torch.testing.assert_close(model.embed_tokens.weight.dequantize(), table, rtol=0,
+                               atol=table.abs().amax() / 127)
+    assert done.bytes_saved > 100 * 64 * 4 - 100 * (64 + 4)  # the table's float bytes, and more
+    for cfg, types in ((ExportConfig(quantize="8w"), stored),
+                       (ExportConfig(quantize="4w"), {}),
+                       (ExportConfig(quantize="4w", embedding_quantize="8,32"), stored)):
+        model = tied()
+        q = quantize(model, cfg, types).report()
+        assert "lm_head" not in q["linears_at_8_bits"], cfg
+        assert q["embeddings"] == cfg.embedding_quantize, cfg
+
+
 def test_without_storage_types_8da4w_requantizes_as_before():
     from torch import nn
 
