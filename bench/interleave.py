@@ -1,0 +1,49 @@
+"""Prefill and decode of any number of .pte files, interleaved in one process: before and after
+a change, or a variant beside export_llm's program, on the same weights.
+
+usage: python bench/interleave.py A.pte B.pte [...] [--rounds 5] [--steps 32] [--prompt 64]
+
+Each round measures every program in turn (the order reversed every other round) with
+speed_vs_anchor.py's `measure`: the best of 3 one-call prefills and the median single-token
+decode call. Prints the median and every round per program; the last line is one JSON object.
+"""
+
+import argparse
+import json
+import statistics
+
+from speed_vs_anchor import measure  # sets OMP_NUM_THREADS=1 before torch loads
+
+import torch  # noqa: E402
+
+from edgellm.runtime import Program, native_logs  # noqa: E402
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("programs", nargs="+")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--prompt", type=int, default=64)
+    a = p.parse_args()
+    programs = {path: Program(path) for path in a.programs}
+    prompt = torch.randint(0, 60000, (a.prompt,), generator=torch.Generator().manual_seed(0))
+    runs = {path: {"prefill": [], "decode": []} for path in programs}
+    with native_logs():
+        for program in programs.values():  # warm-up: first calls allocate and pack weights
+            measure(program, prompt.tolist(), 4)
+        for r in range(a.rounds):
+            for path in list(programs)[::1 if r % 2 == 0 else -1]:
+                prefill, decode = measure(programs[path], prompt.tolist(), a.steps)
+                runs[path]["prefill"].append(round(prefill, 1))
+                runs[path]["decode"].append(round(decode, 2))
+    print(f"| program | prefill tok/s ({a.prompt}) | decode tok/s | rounds |\n|---|---|---|---|")
+    for path, r in runs.items():
+        print(f"| {path} | {statistics.median(r['prefill']):.1f} | "
+              f"{statistics.median(r['decode']):.2f} | {r['prefill']} / {r['decode']} |")
+    print(json.dumps({"rounds": a.rounds, "prompt_tokens": a.prompt, "steps": a.steps,
+                      "programs": runs}))
+
+
+if __name__ == "__main__":
+    main()
