@@ -187,8 +187,16 @@ def _lfm2_problems(p: dict, model_class: str) -> list[str]:
     return out
 
 
+UNSCALED_ROPE = "use_scaled_rope=true: ExecuTorch scales RoPE only for Meta-layout Llamas"
+
+
+def _attention_kinds(p: dict) -> list[str]:
+    """Llama and Qwen: every layer an attention layer, where the params name layer kinds."""
+    return _layer_kinds(p, ("full_attention",)) if p["layer_types"] is not None else []
+
+
 def _llama_problems(p: dict, model_class: str) -> list[str]:
-    out = _layer_kinds(p, ("full_attention",)) if p["layer_types"] is not None else []
+    out = _attention_kinds(p)
     if p["use_qk_norm"]:
         out.append("use_qk_norm=true: Llama has no q/k norms (Qwen3 has: model_class "
                    "qwen3_0_6b, qwen3_1_7b or qwen3_4b)")
@@ -198,7 +206,7 @@ def _llama_problems(p: dict, model_class: str) -> list[str]:
 
 
 def _qwen2_problems(p: dict, model_class: str) -> list[str]:
-    out = _layer_kinds(p, ("full_attention",)) if p["layer_types"] is not None else []
+    out = _attention_kinds(p)
     if not (p["use_hf_rope"] and p["attention_qkv_bias"]) or p["use_qk_norm"]:
         out.append("use_hf_rope and attention_qkv_bias must be true and use_qk_norm false, as in "
                    "ExecuTorch's qwen2_5 configs (Qwen2 has biases on q, k and v and no q/k "
@@ -206,18 +214,18 @@ def _qwen2_problems(p: dict, model_class: str) -> list[str]:
     if p["head_dim"] * p["n_heads"] != p["dim"]:
         out.append(f"head_dim {p['head_dim']} must be dim / n_heads = {p['dim'] / p['n_heads']}")
     if p["use_scaled_rope"]:
-        out.append("use_scaled_rope=true: ExecuTorch scales RoPE only for Meta-layout Llamas")
+        out.append(UNSCALED_ROPE)
     return out
 
 
 def _qwen3_problems(p: dict, model_class: str) -> list[str]:
-    out = _layer_kinds(p, ("full_attention",)) if p["layer_types"] is not None else []
+    out = _attention_kinds(p)
     if not (p["use_hf_rope"] and p["use_qk_norm"] and p["qk_norm_before_rope"]):
         out.append("use_hf_rope, use_qk_norm and qk_norm_before_rope must all be true, as in "
                    "ExecuTorch's qwen3 configs (Qwen3 normalises each q and k head before "
                    "half-split RoPE)")
     if p["use_scaled_rope"]:
-        out.append("use_scaled_rope=true: ExecuTorch scales RoPE only for Meta-layout Llamas")
+        out.append(UNSCALED_ROPE)
     return out
 
 
