@@ -29,7 +29,7 @@ RECIPES = {
     "fp32": [],
     "8da8w": ["--quantize", "8da8w"],
     "8da8w+emb8": ["--quantize", "8da8w", "--embedding-quantize", "8"],
-    # the default 4-bit recipe; from a Q4_0/Q4_1 GGUF, group 32 keeps the file's grid
+    # the default 4-bit recipe; from a Q4_0/Q4_1/Q4_K GGUF, group 32 keeps the file's grid
     "8da4w+emb4": ["--quantize", "8da4w", "--embedding-quantize", "4,32"],
     "8da4w-g32": ["--quantize", "8da4w", "--group-size", "32"],
     "8da4w-g64": ["--quantize", "8da4w", "--group-size", "64"],

@@ -34,7 +34,7 @@ def _export_parser(sub):
     p.add_argument("--quantize", help="linear weight recipe: 8da4w, 8da8w (xnnpack); "
                    "4w, 8w (coreml, weight-only)")
     p.add_argument("--group-size", type=int, help="quantization group size (0: per channel; "
-                   "default 128 for 8da4w, 32 for 4w and for 8da4w from a Q4_0/Q4_1 GGUF, "
+                   "default 128 for 8da4w, 32 for 4w and for 8da4w from a Q4_0/Q4_1/Q4_K GGUF, "
                    "whose grid it keeps)")
     p.add_argument("--embedding-quantize", metavar="BITS[,GROUP]",
                    help="quantize embedding tables: 8 or 4 bits, e.g. 8 or 4,32")

@@ -17,13 +17,14 @@ tables; on XNNPACK and portable ExecuTorch's quant fusion turns them into
 `quantized_decomposed::embedding_byte` / `embedding_4bit`, on Core ML a gather from a constexpr.
 Linears whose input width the group does not divide stay in float (as in export_llm).
 
-Weights that were already 4-bit in the source (a GGUF's Q4_0 / Q4_1, whose blocks of 32 hold 16
-evenly spaced levels) are not quantized a second time by a 4-bit recipe: `8da4w` then defaults to
-group 32, and a linear whose every block lies on such a grid becomes 4-bit codes on a symmetric
-grid (which torchao's `SYMMETRIC_NO_CLIPPING_ERR` scale choice reproduces exactly) plus, where the
-grid is offset (Q4_1's float minimum, which integer zero points cannot hold), a float offset per
-block applied to the input's block sums (`GridLinear`). Linears the GGUF keeps above 4 bits while
-it stores others at 4 (SmolLM2's Q8_0 tied head) get 8-bit weights under a 4-bit recipe: the
+Weights that were already 4-bit in the source (a GGUF's Q4_0 / Q4_1 / Q4_K, whose blocks (Q4_K:
+sub-blocks) of 32 hold at most 16 evenly spaced levels) are not quantized a second time by a
+4-bit recipe: `8da4w` then defaults to group 32, and a linear whose every block lies on such a
+grid becomes 4-bit codes on a symmetric grid (which torchao's `SYMMETRIC_NO_CLIPPING_ERR` scale
+choice reproduces exactly) plus, where the grid is offset (Q4_1's and Q4_K's float minimum, which
+integer zero points cannot hold), a float offset per block applied to the input's block sums
+(`GridLinear`). Linears the GGUF keeps above 4 bits while it stores others at 4 (SmolLM2's Q8_0
+tied head; a Q4_K_M file's Q5_0 / Q6_K tensors) get 8-bit weights under a 4-bit recipe: the
 file's author spared them. `4w` (Core ML) keeps grids the same way, weight-only; Core ML's build
 then leaves RMSNorm weights unfolded (folding one into a linear moves every block off the file's
 grid) and q and k apart (`keeps_source_grids`, read by backends.Plan.model_options).
@@ -56,8 +57,8 @@ WRONG_ON_XNNPACK = ("ExecuTorch 1.5.1's XNNPACK delegate takes torchao weight-on
 NO_KERNELS = {("4w", "xnnpack"): f"{WRONG_ON_XNNPACK}; use 8da4w on xnnpack",
               ("8w", "xnnpack"): f"{WRONG_ON_XNNPACK}; use 8da8w on xnnpack"}
 HQQ = "hqq_scale_only"  # every recipe's scale search, as export_llm's (its `use_hqq: true`)
-GRID_BLOCK = 32  # GGUF's Q4_0 and Q4_1 blocks
-GRID_TYPES = ("Q4_0", "Q4_1")
+GRID_BLOCK = 32  # GGUF's Q4_0 and Q4_1 blocks, and Q4_K's sub-blocks
+GRID_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 # While linears are quantized, the checkpoint pages of those already done are dropped once this
 # many float bytes have been (each drop reads /proc/self/smaps: per linear, 3 of LFM2.5-350M's
 # 21 s stage)
@@ -165,7 +166,9 @@ def block_grid(weight, block: int = GRID_BLOCK, tol: float = 1e-3):
     """(codes, offsets) when every block of `block` input columns of `weight` (out, in) holds at
     most 16 evenly spaced levels offset + step * k, k in -8..7: codes = weight - offset (out, in),
     offsets (out, in / block), zero where the grid runs through zero. Q4_1 blocks span their
-    minimum to maximum in 15 steps; Q4_0 blocks step max|w| / 8 through zero. Else None."""
+    minimum to maximum in 15 steps; Q4_0 blocks step max|w| / 8 through zero; Q4_K's sub-blocks
+    are Q4_1's with a searched scale, whose codes need not reach both ends: fewer steps. Else
+    None."""
     import torch
 
     rows, cols = weight.shape
@@ -178,12 +181,19 @@ def block_grid(weight, block: int = GRID_BLOCK, tol: float = 1e-3):
         k = (b - origin) / torch.where(step > 0, step, torch.ones_like(step))
         return ((k - k.round()).abs() <= tol).all(-1), k
 
-    step1 = (hi - lo) / 15  # Q4_1-like: lo is level -8, hi level 7
-    fits1, _ = levels(step1, lo)
     step0 = torch.maximum(-lo, hi) / 8  # Q4_0-like: zero is a level, max|w| is level -8 or 8
     fits0, k0 = levels(step0, torch.zeros_like(lo))
     top = k0.amax(-1) > 7.5
     fits0 &= ~(top & (k0.amin(-1) < -7.5))  # -8..8 are 17 levels
+    step1 = (hi - lo) / 15  # Q4_1-like: lo is level -8, hi level 7
+    fits1, _ = levels(step1, lo)
+    for span in range(14, 0, -1):  # Q4_K-like: lo to hi in fewer steps (a finer grid fits too)
+        if bool((fits0 | fits1).all()):
+            break
+        fits, _ = levels((hi - lo) / span, lo)
+        fits &= ~(fits0 | fits1)
+        step1 = torch.where(fits[..., None], (hi - lo) / span, step1)
+        fits1 |= fits
     if not bool((fits0 | fits1).all()):
         return None
     offsets = torch.where(fits0, torch.where(top, step0[..., 0], 0.0), (lo + 8 * step1)[..., 0])
@@ -200,7 +210,7 @@ class Quantized:
     bytes_saved: int = 0  # per decode step
     linears_quantized: int = 0
     linears_left_float: list = field(default_factory=list)  # inputs the group does not divide
-    linears_on_source_grid: int = 0  # 4-bit grids kept exactly (GGUF Q4_0 / Q4_1)
+    linears_on_source_grid: int = 0  # 4-bit grids kept exactly (GGUF Q4_0 / Q4_1 / Q4_K)
     linears_at_8_bits: list = field(default_factory=list)  # the source stores them above 4 bits
     embeddings_stored_as: str | None = None  # the source's type that kept the table at 8 bits
 
@@ -232,8 +242,8 @@ class Quantized:
 
 def keeps_source_grids(cfg, stored: dict | None) -> bool:
     """Whether the recipe keeps a source's 4-bit grids: a 4-bit recipe at the file's block
-    (group unset or 32) over a source storing Q4_0 / Q4_1 tensors (`stored`: name -> storage
-    type). The one rule for both sides: quantize keeps the grids by it, and
+    (group unset or 32) over a source storing Q4_0 / Q4_1 / Q4_K tensors (`stored`: name ->
+    storage type). The one rule for both sides: quantize keeps the grids by it, and
     backends.Plan.model_options writes the model so that they survive."""
     recipe = RECIPES.get(cfg.quantize) if cfg.quantize else None
     return (recipe is not None and recipe.bits == 4 and cfg.group_size in (None, GRID_BLOCK)
@@ -322,8 +332,9 @@ def _quantize_embeddings(model, text: str, types: dict, four_bit: bool, done: Qu
 
 
 def _keep_grids(model, types: dict, dynamic: bool, done: Quantized) -> list[int]:
-    """Replace every linear the source stored as Q4_0 / Q4_1 and whose blocks lie on a grid by
-    its exact 4-bit form (a GridLinear where the grid is offset); returns the bytes each saves."""
+    """Replace every linear the source stored as Q4_0 / Q4_1 / Q4_K and whose blocks lie on a
+    grid by its exact 4-bit form (a GridLinear where the grid is offset); returns the bytes each
+    saves."""
     import torch
     from torch import nn
     from torchao.quantization import quantize_

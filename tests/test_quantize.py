@@ -127,11 +127,22 @@ def test_linears_a_group_does_not_divide_are_reported_and_named(tiny_models, tmp
 
 
 def gguf_weight(shape, kind, seed=0):
-    """A weight as a GGUF of `kind` holds it: gguf's own quantizer, then its dequantizer."""
+    """A weight as a GGUF of `kind` holds it: gguf's own quantizer, then its dequantizer. gguf has
+    no Q4_K quantizer: those are random Q4_K blocks (fp16 scale and minimum per 256, random 6-bit
+    sub-block scales and minimums, random codes) through gguf's own dequantizer."""
     import numpy as np
     from gguf import GGMLQuantizationType, quants
 
-    x = np.random.default_rng(seed).standard_normal(shape).astype(np.float32) * 0.05 + 0.01
+    rng = np.random.default_rng(seed)
+    if kind == "Q4_K":
+        rows, supers = shape[0], shape[1] // 256
+        raw = rng.integers(0, 256, (rows, supers, 144), dtype=np.uint8)
+        for at in (0, 2):  # d, then dmin
+            scale = (rng.random((rows, supers)) * 0.002 + 0.0005).astype(np.float16)
+            raw[..., at:at + 2] = scale.view(np.uint8).reshape(rows, supers, 2)
+        return torch.from_numpy(quants.dequantize(raw.reshape(rows, -1),
+                                                  GGMLQuantizationType.Q4_K).copy())
+    x = rng.standard_normal(shape).astype(np.float32) * 0.05 + 0.01
     kind = GGMLQuantizationType[kind]
     return torch.from_numpy(quants.dequantize(quants.quantize(x, kind), kind).copy())
 
@@ -145,19 +156,21 @@ def effective_weight(module):
     return module.weight.dequantize()
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
-def test_gguf_4bit_blocks_are_found_and_rebuilt_exactly(kind):
-    w = gguf_weight((48, 96), kind)
+@pytest.mark.parametrize("kind, width", [("Q4_0", 96), ("Q4_1", 96), ("Q4_K", 512)])
+def test_gguf_4bit_blocks_are_found_and_rebuilt_exactly(kind, width):
+    w = gguf_weight((48, width), kind)
     codes, offsets = block_grid(w)
-    assert offsets.shape == (48, 3)
+    assert offsets.shape == (48, width // 32)
     torch.testing.assert_close(codes + offsets.repeat_interleave(32, dim=1), w, rtol=0, atol=1e-7)
-    blocks = codes.view(48, 3, 32)
+    blocks = codes.view(48, width // 32, 32)
     # symmetric -8..7 through zero, with the step torchao's SYMMETRIC_NO_CLIPPING_ERR chooses
     step = torch.maximum(-blocks.amin(-1, keepdim=True) / 8, blocks.amax(-1, keepdim=True) / 7)
-    k = blocks / step
+    k = blocks / torch.where(step > 0, step, 1)  # a Q4_K sub-block of scale 0 is one value
     assert (k - k.round()).abs().max() < 1e-4 and k.min() >= -8 and k.max() <= 7
     if kind == "Q4_1":
         assert offsets.abs().min() > 0  # Q4_1's float minimum needs the offsets
+    if kind == "Q4_K":  # codes that reach neither 0 nor 15 in some sub-blocks: fewer steps
+        assert ((k.amax(-1) - k.amin(-1)) < 14.5).any()
     assert block_grid(gguf_weight((48, 96), "Q8_0")) is None
     assert block_grid(torch.randn(48, 96)) is None
     assert block_grid(w[:, :80]) is None  # no whole blocks
@@ -312,6 +325,20 @@ def test_lfm2s_split_conv_projection_keeps_the_file_grid(tiny_models, tmp_path, 
     assert (q["group_size"], q["linears_on_source_grid"], q["linears_at_8_bits"]) == \
         (32, 28, ["lm_head"])
     assert report["verify"]["passed"]
+
+
+@pytest.mark.parametrize("recipe", ["8da4w", "4w"])
+def test_a_q4_k_linear_keeps_the_file_grid(recipe):
+    """A K-quant file's Q4_K tensor: sub-blocks of 32 on their own scale and minimum, codes that
+    need not reach both ends of 0..15. A 4-bit recipe multiplies by exactly its weights."""
+    from torch import nn
+
+    model = nn.Module()
+    model.proj = nn.Linear(512, 48)
+    weight = model.proj.weight.data = gguf_weight((48, 512), "Q4_K", seed=3)
+    done = quantize(model, ExportConfig(quantize=recipe), {"proj.weight": "Q4_K"})
+    assert (done.group_size, done.linears_on_source_grid) == (32, 1)
+    torch.testing.assert_close(effective_weight(model.proj), weight, rtol=0, atol=1e-6)
 
 
 def test_a_grid_through_zero_stays_one_linear():
