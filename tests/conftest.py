@@ -79,6 +79,23 @@ def tiny_qwen2_config(vocab):
                        bos_token_id=0, eos_token_id=1)
 
 
+def q4_k_blocks(shape, seed=0):
+    """(raw GGUF Q4_K bytes (rows, bytes per row), what gguf's own dequantizer reads from them):
+    random blocks, fp16 scale and minimum per 256 weights, random 6-bit sub-block scales and
+    minimums and random codes (gguf has no Q4_K quantizer)."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, quants
+
+    rng = np.random.default_rng(seed)
+    rows, supers = shape[0], shape[1] // 256
+    raw = rng.integers(0, 256, (rows, supers, 144), dtype=np.uint8)
+    for at in (0, 2):  # d, then dmin
+        scale = (rng.random((rows, supers)) * 0.002 + 0.0005).astype(np.float16)
+        raw[..., at:at + 2] = scale.view(np.uint8).reshape(rows, supers, 2)
+    raw = raw.reshape(rows, -1)
+    return raw, torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType.Q4_K).copy())
+
+
 def save_model(config, folder):
     from transformers import AutoModelForCausalLM
 

@@ -127,22 +127,16 @@ def test_linears_a_group_does_not_divide_are_reported_and_named(tiny_models, tmp
 
 
 def gguf_weight(shape, kind, seed=0):
-    """A weight as a GGUF of `kind` holds it: gguf's own quantizer, then its dequantizer. gguf has
-    no Q4_K quantizer: those are random Q4_K blocks (fp16 scale and minimum per 256, random 6-bit
-    sub-block scales and minimums, random codes) through gguf's own dequantizer."""
+    """A weight as a GGUF of `kind` holds it: gguf's own quantizer, then its dequantizer (Q4_K,
+    which gguf cannot quantize: random blocks, conftest.q4_k_blocks)."""
     import numpy as np
     from gguf import GGMLQuantizationType, quants
 
-    rng = np.random.default_rng(seed)
+    from conftest import q4_k_blocks
+
     if kind == "Q4_K":
-        rows, supers = shape[0], shape[1] // 256
-        raw = rng.integers(0, 256, (rows, supers, 144), dtype=np.uint8)
-        for at in (0, 2):  # d, then dmin
-            scale = (rng.random((rows, supers)) * 0.002 + 0.0005).astype(np.float16)
-            raw[..., at:at + 2] = scale.view(np.uint8).reshape(rows, supers, 2)
-        return torch.from_numpy(quants.dequantize(raw.reshape(rows, -1),
-                                                  GGMLQuantizationType.Q4_K).copy())
-    x = rng.standard_normal(shape).astype(np.float32) * 0.05 + 0.01
+        return q4_k_blocks(shape, seed)[1]
+    x = np.random.default_rng(seed).standard_normal(shape).astype(np.float32) * 0.05 + 0.01
     kind = GGMLQuantizationType[kind]
     return torch.from_numpy(quants.dequantize(quants.quantize(x, kind), kind).copy())
 

@@ -63,10 +63,10 @@ GGUF_TOP = {"model.embed_tokens.weight": "token_embd.weight",
             "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
 
 
-def write_qwen_gguf(hf, tokenizer_json, path) -> None:
-    """A tiny Qwen2 or Qwen3 as llama.cpp's converter lays it out: F32 tensors under GGUF names,
-    the architecture's metadata, and its byte-level BPE tokenizer as a gpt2 vocabulary with
-    merges."""
+def write_qwen_gguf(hf, tokenizer_json, path, quantized: dict | None = None) -> None:
+    """A tiny Qwen2 or Qwen3 as llama.cpp's converter lays it out: F32 tensors under GGUF names
+    (`quantized`: HF name -> (raw bytes, GGML type) to store instead), the architecture's
+    metadata, and its byte-level BPE tokenizer as a gpt2 vocabulary with merges."""
     import gguf
 
     from edgellm.architectures.llama import head_dim
@@ -96,13 +96,14 @@ def write_qwen_gguf(hf, tokenizer_json, path) -> None:
     for name, tensor in hf.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
+        raw, kind = (quantized or {}).get(name, (tensor.detach().float().numpy(), None))
         if name.startswith("model.layers."):
             _, _, layer, rest = name.split(".", 3)
             module, leaf = rest.rsplit(".", 1)
             name = f"blk.{layer}.{GGUF_LAYER[module]}.{leaf}"
         else:
             name = GGUF_TOP[name]
-        w.add_tensor(name, tensor.detach().float().numpy())
+        w.add_tensor(name, raw, raw_dtype=kind)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -140,3 +141,40 @@ def test_qwen_gguf_exports_and_matches_transformers(tiny_models, prompt_ids, tmp
     shipped = Tokenizer.from_file(str(tmp_path / "o" / "tokenizer.json"))
     assert shipped.encode(PROMPT).ids == Tokenizer.from_file(
         str(folder / "tokenizer.json")).encode(PROMPT).ids
+
+
+def test_a_q4_k_gguf_keeps_its_grid_through_export(tiny_models, prompt_ids, tmp_path):
+    """A K-quant file's Q4_K linears (here every one, in a 256-wide Qwen3: Q4_K's super-blocks)
+    come through transformers' GGUF loader with their storage type, and `8da4w` keeps each on the
+    file's grid; the program matches transformers on the file's weights within 8-bit dynamic
+    activations (verify's bounds)."""
+    from gguf import GGMLQuantizationType
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    import edgellm
+    from conftest import q4_k_blocks
+
+    folder = tiny_models["qwen3"][0]
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(Qwen3Config(
+        vocab_size=tiny_models["qwen3"][1].config.vocab_size, hidden_size=256,
+        intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=64, max_position_embeddings=256, tie_word_embeddings=True, bos_token_id=0,
+        eos_token_id=1)).eval()
+    quantized = {}
+    with torch.no_grad():
+        for i, (name, p) in enumerate(hf.named_parameters()):
+            if name.startswith("model.layers.") and p.dim() == 2:
+                raw, weight = q4_k_blocks(tuple(p.shape), seed=i)
+                p.copy_(weight)
+                quantized[name] = (raw, GGMLQuantizationType.Q4_K)
+    gguf_file = tmp_path / "tiny-qwen3-Q4_K.gguf"
+    write_qwen_gguf(hf, folder / "tokenizer.json", gguf_file, quantized)
+    stored = load_source(str(gguf_file)).stored_types
+    assert stored["model.layers.1.mlp.down_proj.weight"] == "Q4_K" and len(quantized) == 14
+    report = edgellm.export(gguf_file, output=tmp_path / "o", backends="xnnpack",
+                            quantize="8da4w", max_seq_len=16, max_context_len=32, quiet=True)
+    q = report["quantization"]
+    assert (q["group_size"], q["linears_on_source_grid"], q["linears_at_8_bits"]) == \
+        (32, 14, ["lm_head"])  # the F32 table the head is tied to: above 4 bits, so 8
+    assert report["verify"]["passed"]
