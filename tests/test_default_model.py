@@ -2,7 +2,6 @@
 transformers running the same dequantized weights."""
 
 import pytest
-import torch
 
 import edgellm
 from conftest import reference_run
