@@ -258,7 +258,8 @@ def source_types(model, stored: dict) -> dict:
 
     names = {n: m for n, m in model.named_modules()}
     source = getattr(model, "source_name", lambda name: name)
-    embed = f"{_embedding_name(model)}.weight"
+    table = _embedding_name(model)
+    embed = f"{table}.weight" if table is not None else None
     out = {n: stored.get(source(f"{n}.weight")) for n, m in names.items()
            if isinstance(m, nn.Linear)}
     if "lm_head" in out and out["lm_head"] is None:
