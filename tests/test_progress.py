@@ -132,8 +132,10 @@ def test_the_long_run_still_frees_the_cycles_it_drops_and_keeps_a_callers_freeze
     gc.freeze()
     frozen = gc.get_freeze_count()
     try:
+        # neither frozen again (the count would grow by what was allocated since) nor thawed (0);
+        # frozen objects reference counting frees meanwhile make the count drop a little
         with progress.long_run_collector():
-            assert gc.get_freeze_count() == frozen
-        assert gc.get_freeze_count() == frozen
+            assert 0 < gc.get_freeze_count() <= frozen
+        assert 0 < gc.get_freeze_count() <= frozen
     finally:
         gc.unfreeze()
