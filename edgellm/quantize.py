@@ -298,11 +298,10 @@ def _packed(weight, bits: int, group: int) -> int:
     return rows * cols * bits // 8 + rows * (1 if group == 0 else cols // group) * 4
 
 
-def _spared_tied_head(model, cfg, types: dict, four_bit: bool) -> bool:
+def _spared_tied_head(model, recipe, types: dict, four_bit: bool) -> bool:
     """Whether the head is the embedding table itself (tied, no linear of its own: Core ML's
     build) and gets the 8 bits a 4-bit recipe gives a head the source stored above 4 bits (as
     XNNPACK's separate head does): then the table is quantized to 8 bits, per row, with it."""
-    recipe = RECIPES.get(cfg.quantize) if cfg.quantize else None
     return (getattr(model, "lm_head", None) is None and recipe is not None and recipe.bits == 4
             and four_bit and (stored_bits(types.get("embedding")) or 0) > 4)
 
@@ -385,8 +384,9 @@ def quantize(model, cfg, stored: dict | None = None) -> Quantized:
     linear_types = {n: t for n, t in types.items() if n != "embedding"}
     four_bit = any((stored_bits(t) or 99) <= 4 for t in linear_types.values())
     done = Quantized(cfg.quantize, None, cfg.embedding_quantize)
+    recipe = RECIPES[cfg.quantize] if cfg.quantize else None
     head_in_table = 0  # float bytes of a tied head's table, which decode reads whole
-    if not cfg.embedding_quantize and _spared_tied_head(model, cfg, types, four_bit):
+    if not cfg.embedding_quantize and _spared_tied_head(model, recipe, types, four_bit):
         table = model.get_submodule(_embedding_name(model)).weight
         head_in_table = table.numel() * table.element_size() - _packed(table, 8, 0)
         done.embeddings, done.embeddings_stored_as = "8", types["embedding"]
@@ -394,9 +394,8 @@ def quantize(model, cfg, stored: dict | None = None) -> Quantized:
         _quantize_embeddings(model, "8", types, four_bit, done)
     if cfg.embedding_quantize:
         _quantize_embeddings(model, cfg.embedding_quantize, types, four_bit, done)
-    if not cfg.quantize:
+    if recipe is None:
         return done
-    recipe = RECIPES[cfg.quantize]
     four_bit &= recipe.bits == 4
     grids = keeps_source_grids(cfg, linear_types)  # the rule the build writes the model by
     group = done.group_size = GRID_BLOCK if grids else group_of(cfg)

@@ -171,7 +171,7 @@ class Verification:
         runs on it when it is fp32; else an fp32 one is built here)."""
         from .architectures import build_model
         from .progress import release_memory
-    
+
         self.cfg, self.plan = cfg, plan
         self.steps = max(1, min(steps, cfg.context_len // 2))  # prompt and steps fit the cache
         longest = min(cfg.max_seq_len, cfg.context_len - self.steps)
