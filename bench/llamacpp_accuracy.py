@@ -2,7 +2,7 @@
 edgellm's verify uses: along the shipped text (edgellm/data/perplexity.txt, 128 tokens through the
 GGUF's tokenizer, one token per call from position 0), SQNR of the logits, top-1 agreement and
 perplexity against transformers in fp32 on the dequantized weights. Context for edgellm's 4-bit
-recipes, which requantize those weights.
+recipes, which keep the file's 4-bit grid and run 8-bit dynamic activations.
 
 usage: python bench/llamacpp_accuracy.py [GGUF]     (llama.cpp from /tmp/llamacpp-venv, see README)
 """

@@ -4,13 +4,13 @@ usage: python bench/recipes.py [MODEL] OUTDIR [--recipes NAME ...] [--max-seq-le
            [--llamacpp]
 
 MODEL defaults to the embedded SmolLM2-135M GGUF. Each recipe is exported with the CLI in its own
-process (export wall time and peak RSS from /usr/bin/time; verify runs at the end of the export
-and gives the accuracy), then `edgellm bench` measures prefill (64 tokens) and decode on this
-machine for programs that run here (Core ML programs are sized and checked, not timed). Accuracy:
-the quantization check of verify (SQNR and top-1 of the program's logits against transformers in
-fp32 over the fixed prompts) and, along the shipped text, perplexity and top-1 agreement with
-fp32. `--llamacpp` adds llama.cpp on the same GGUF (bench/others.py, /tmp/llamacpp-venv) in the
-same run. The last line is one JSON list of the rows.
+process (export wall time and peak RSS from /usr/bin/time; the export's verification gives the
+accuracy), then `edgellm bench` measures prefill (64 tokens) and decode on this machine for
+programs that run here (Core ML programs are sized and checked, not timed). Accuracy: verify's
+quantization check (SQNR and top-1 of the program's logits against transformers in fp32, along
+the shipped text) and, along the same text, perplexity and top-1 agreement with fp32.
+`--llamacpp` adds llama.cpp on the same GGUF (bench/others.py, /tmp/llamacpp-venv) in the same
+run. The last line is one JSON list of the rows.
 
 `--speed-only ROUNDS` exports nothing: it measures the recipes already in OUTDIR (and llama.cpp
 with `--llamacpp`) one after another, ROUNDS times, on what should be a quiet machine, and reports

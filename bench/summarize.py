@@ -51,7 +51,7 @@ def summarize(config, folder, log):
 
 def core_ml_payload(pte: Path) -> dict:
     """MIL figures of the forward Core ML delegate of any program (the reference's included)."""
-    from edgellm.backends.coreml import describe_payloads
+    from edgellm.backends.coreml_payload import describe_payloads
 
     for d in describe_payloads(pte):
         if d["method"] == "forward":

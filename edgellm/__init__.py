@@ -15,26 +15,12 @@ __all__ = ["export", "verify", "bench", "generate", "models", "compare", "EdgeLL
            "InputError", "ConfigError", "VerificationError"]
 
 
-def resolve_config(model=None, *, config=None, overrides=(), **options):
-    """An ExportConfig from a YAML file, `key=value` overrides, then explicit options (in that
-    order of precedence, lowest first). Options set to None are left to the file or defaults."""
-    from .config import apply_overrides, from_dict, load_yaml
-    from .etconfig import is_executorch, translate
-
-    data = load_yaml(config) if config else {}
-    data = apply_overrides(data, list(overrides))
-    if is_executorch(data):  # an ExecuTorch export_llm config: base, model, export, backend...
-        data = translate(data)
-    data.update({k: v for k, v in options.items() if v is not None})
-    if model is not None:
-        data["model"] = str(model)
-    return from_dict(data)
-
-
 def export(model=None, *, config=None, overrides=(), quiet=False, **options) -> dict:
-    """Export `model` (HF folder, .gguf, or None for the embedded default). `options` are
-    ExportConfig fields (output, backends, max_seq_len, max_context_len, dtype, etrecord, force).
-    Returns the report, also written to OUTPUT/report.json."""
+    """Export `model` (HF folder, .gguf or .pth, or None for the embedded default). `options` are
+    ExportConfig fields (edgellm/config.py: output, backends, max_seq_len, quantize, ...), the
+    names of `edgellm export`'s flags; a misspelt one is refused with the nearest. Returns the
+    report, also written to OUTPUT/report.json."""
+    from .config import resolve_config
     from .pipeline import export as run
 
     return run(resolve_config(model, config=config, overrides=overrides, **options), quiet=quiet)
@@ -74,12 +60,14 @@ def compare(a, b, method: str = "forward") -> dict:
 
 def models() -> dict:
     """Architectures, backends, quantization recipes and which combinations are supported."""
+    from .architectures import every
     from .backends import BACKENDS
-    from .architectures import ARCHITECTURES
-    from .quantize import EMBEDDING_BACKENDS, RECIPES
+    from .quantize import RECIPES
 
-    return {"architectures": dict(ARCHITECTURES),
+    architectures = {a.model_type: a.summary for a in every()}
+    return {"architectures": architectures,
             "backends": {name: b.summary for name, b in BACKENDS.items()},
-            "supported": {arch: list(BACKENDS) for arch in ARCHITECTURES},
-            "quantize": {name: list(r.backends) for name, r in RECIPES.items()},
-            "embedding_quantize": list(EMBEDDING_BACKENDS)}
+            "supported": {arch: list(BACKENDS) for arch in architectures},
+            "quantize": {name: [b.name for b in BACKENDS.values() if name in b.recipes]
+                         for name in RECIPES},
+            "embedding_quantize": [b.name for b in BACKENDS.values() if b.quantized_embeddings]}

@@ -5,7 +5,7 @@ Decode on a CPU reads every weight once per token, so the fastest possible decod
 `weight bytes / memory bandwidth`; `floor_fraction` is that time over the measured step (1.0 would
 be as fast as memory allows). Weight bytes come from the export report (`weight_bytes_per_token`:
 every weight the head and layers read, each shared tensor once; an untied embedding table counts
-one row), or the .pte size for programs exported before it was recorded.
+one row), or the .pte size for a program whose report does not say.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def timed(fn) -> float:
 def bench(target, prompt_lengths=(64,), steps: int = 32, repeats: int = 3) -> dict:
     """Load time, time to first token, prefill tok/s per prompt length, decode tok/s (median
     per-token time over `steps` calls, best of `repeats` runs), peak RSS and effective bandwidth."""
-    from .progress import peak_rss_mb
+    from .memory import peak_rss_mb
     from .runtime import Program, native_logs
 
     pte = Path(target) / "model.pte" if Path(target).is_dir() else Path(target)

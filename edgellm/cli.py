@@ -9,43 +9,50 @@ import argparse
 import gc
 import json
 import sys
+import typing
 
 from .errors import EdgeLLMError
+from .memory import YOUNG_COLLECTION_EVERY
 from .openmp import one_thread_per_team
-from .progress import YOUNG_COLLECTION_EVERY
 
 
 def _export_parser(sub):
+    from .config import ExportConfig
+
     p = sub.add_parser("export", help="export a model to an ExecuTorch program",
-                       description="Export MODEL (a Hugging Face folder or .gguf file; the "
-                       "embedded SmolLM2-135M when omitted). Arguments of the form key=value "
-                       "override config fields (a leading '+' is accepted), e.g. "
+                       description="Export MODEL (a Hugging Face folder, .gguf or ExecuTorch "
+                       ".pth file; the embedded SmolLM2-135M when omitted). Arguments of the "
+                       "form key=value override config fields (a leading '+' is accepted), e.g. "
                        "coreml.min_ios=17.")
     p.add_argument("args", nargs="*", metavar="MODEL|key=value")
     p.add_argument("--config", help="YAML config file; `OUT/config.yaml` replays an export")
-    p.add_argument("--backend", dest="backends", help="backend or chain, e.g. xnnpack, "
-                   "coreml,xnnpack (default xnnpack)")
-    p.add_argument("-o", "--output", help="output folder (default edgellm-out)")
-    p.add_argument("--max-seq-len", type=int, help="longest prompt chunk one call takes")
-    p.add_argument("--max-context-len", type=int, help="KV cache length (default max-seq-len)")
-    p.add_argument("--prefill-chunk", type=int,
-                   help="also export a `prefill` method taking this many tokens per call")
-    p.add_argument("--dtype", choices=("fp32", "fp16", "bf16"))
-    p.add_argument("--quantize", help="linear weight recipe: 8da4w, 8da8w (xnnpack); "
-                   "4w, 8w (coreml, weight-only)")
-    p.add_argument("--group-size", type=int, help="quantization group size (0: per channel; "
-                   "default 128 for 8da4w, 32 for 4w and for 8da4w from a Q4_0/Q4_1/Q4_K GGUF, "
-                   "whose grid it keeps)")
-    p.add_argument("--embedding-quantize", metavar="BITS[,GROUP]",
-                   help="quantize embedding tables: 8 or 4 bits, e.g. 8 or 4,32")
-    p.add_argument("--etrecord", action="store_true", default=None,
-                   help="also write etrecord.bin for ExecuTorch's devtools")
-    p.add_argument("--force", action="store_true", default=None,
-                   help="replace an existing output folder")
-    p.add_argument("--no-verify", dest="verify", action="store_false", default=None,
-                   help="skip checking the program against the checkpoint after export")
+    hints = typing.get_type_hints(ExportConfig)
+    for f in export_options():
+        meta, kind = f.metadata, hints[f.name]
+        names = [n for n in (meta["short"], meta["flag"] or flag_of(f.name)) if n]
+        if kind is bool:  # --etrecord sets True, --no-verify False
+            p.add_argument(*names, dest=f.name, action="store_false" if f.default else
+                           "store_true", default=None, help=meta["help"])
+        else:  # integers parsed here; lists ("coreml,xnnpack") and the rest by the config
+            p.add_argument(*names, dest=f.name, help=meta["help"], metavar=meta["metavar"],
+                           choices=meta["choices"],
+                           type=int if int in (kind, *typing.get_args(kind)) else None)
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+
+
+def flag_of(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def export_options() -> list:
+    """ExportConfig's fields that are `edgellm export` flags: all but the model (positional)."""
+    import dataclasses
+
+    from .config import ExportConfig
+
+    return [f for f in dataclasses.fields(ExportConfig)
+            if f.metadata.get("cli") and not f.metadata.get("internal")]
 
 
 def cmd_export(a) -> int:
@@ -56,13 +63,9 @@ def cmd_export(a) -> int:
     overrides = [x for x in a.args if "=" in x]
     if len(models) > 1:
         raise_input(f"give at most one MODEL, got {len(models)}: {' '.join(models)}")
+    options = {f.name: getattr(a, f.name) for f in export_options()}
     report = export(models[0] if models else None, config=a.config, overrides=overrides,
-                    quiet=a.quiet or a.json, output=a.output, backends=a.backends,
-                    max_seq_len=a.max_seq_len, max_context_len=a.max_context_len,
-                    prefill_chunk=a.prefill_chunk, dtype=a.dtype, quantize=a.quantize,
-                    group_size=a.group_size,
-                    embedding_quantize=a.embedding_quantize, etrecord=a.etrecord, force=a.force,
-                    verify=a.verify)
+                    quiet=a.quiet or a.json, **options)
     print(json.dumps(report) if a.json else summary(report))
     return 0
 
@@ -101,8 +104,8 @@ def cmd_models(a) -> int:
 def quiet_libraries() -> None:
     """Keep the terminal to edgellm's own lines: the libraries below warn about their own internals
     (deprecations inside torch and coremltools, optional torchao kernels for GPUs) and draw
-    progress bars of their own. Lowering still
-    counts deprecation warnings for the report; --debug shows everything."""
+    progress bars of their own. Lowering still counts deprecation warnings for the report;
+    --debug shows everything."""
     import logging
     import os
     import warnings
@@ -126,10 +129,11 @@ def raise_input(msg: str):
 
 def cmd_verify(a) -> int:
     from . import verify
-    from .verification import enforce, summary
+    from .report import verify_summary
+    from .verification import enforce
 
     result = verify(a.target, steps=a.steps)
-    print(json.dumps(result) if a.json else summary(result))
+    print(json.dumps(result) if a.json else verify_summary(result))
     enforce(result, str(a.target))
     return 0
 
@@ -158,7 +162,7 @@ def cmd_compare(a) -> int:
     return 0
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="edgellm", description=__doc__.splitlines()[0])
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -184,11 +188,16 @@ def main(argv=None) -> int:
     c.add_argument("b", metavar="B", help="export folder or its report.json")
     c.add_argument("--method", default="forward", help="method to compare (default forward)")
     c.add_argument("--json", action="store_true", help="print the comparison as one JSON object")
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
     a, extra = parser.parse_known_args(argv)
     if a.command == "export" and not any(x.startswith("-") for x in extra):
         a.args += extra  # MODEL and key=value may come after the options too
     elif extra:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        parser.error(unrecognized(extra, a.command))
     if a.command in ("bench", "generate"):  # they only run programs (edgellm/openmp.py);
         one_thread_per_team()  # before anything imports torch
     if not a.debug:
@@ -216,6 +225,22 @@ def main(argv=None) -> int:
         return 3
 
 
+def unrecognized(extra: list[str], command: str) -> str:
+    """argparse's complaint, with the nearest flag of `edgellm export` for a misspelt one."""
+    import difflib
+
+    text = f"unrecognized arguments: {' '.join(extra)}"
+    if command == "export":
+        flags = [flag_of(f.name) for f in export_options()] + ["--config", "--quiet", "--json"]
+        flags += [f.metadata["flag"] for f in export_options() if f.metadata["flag"]]
+        for x in extra:
+            close = difflib.get_close_matches(x.split("=")[0], flags, n=1)
+            if x.startswith("--") and close:
+                text += f" (did you mean {close[0]}?)"
+                break
+    return text
+
+
 def _origin(e: BaseException) -> str:
     """' in <package>' for the package whose frame raised e (torch, executorch, ...)."""
     tb = e.__traceback__
@@ -228,11 +253,11 @@ def _origin(e: BaseException) -> str:
 def command() -> int:
     """The `edgellm` command: `main` in a process set up for one run. Young collections wait for
     YOUNG_COLLECTION_EVERY allocations from the start (with Python's 700, importing torch,
-    ExecuTorch and coremltools made eight full collections, 1.1 s), and afterwards every object
+    ExecuTorch and coremltools makes several full collections), and afterwards every object
     still alive leaves the collector's sight (`gc.freeze`): the collections while the interpreter
-    shuts down would otherwise traverse what the run left, about 600 000 objects, more than once
-    (1.4 s after a Core ML export of LFM2.5-350M) for nothing, the files being written and closed.
-    Not in `main`, which tests and other Python code call in processes that go on."""
+    shuts down would otherwise traverse what the run left, hundreds of thousands of objects,
+    more than once, for nothing, the files being written and closed. Not in `main`, which tests
+    and other Python code call in processes that go on."""
     gc.set_threshold(YOUNG_COLLECTION_EVERY, *gc.get_threshold()[1:])
     code = main()
     gc.freeze()

@@ -1,8 +1,11 @@
 """User choices as frozen dataclasses: YAML files, `key=value` overrides, one validation pass.
 
-A config file is a flat mapping of ExportConfig fields plus one section per backend for that
-backend's own options (`coreml: {min_ios: 18}`). Overrides use dotted keys (`coreml.min_ios=17`)
-and YAML values. Validation collects every problem and raises one ConfigError listing them all.
+ExportConfig's fields are the one list of export options: YAML keys, `key=value` overrides,
+keywords of `edgellm.export` and the `edgellm export` flags (cli.py makes one per field from its
+metadata) are all these names. A config file is a flat mapping of those fields plus one section
+per backend for that backend's own options (`coreml: {min_ios: 18}`). Overrides use dotted keys
+(`coreml.min_ios=17`) and YAML values. Validation collects every problem and raises one
+ConfigError listing them all; a misspelt key gets the nearest known one.
 """
 
 from __future__ import annotations
@@ -19,31 +22,57 @@ from typing import Any, Mapping
 import yaml
 
 from .errors import ConfigError
-from .quantize import problems as quantize_problems
 
-DTYPES = ("fp32", "fp16", "bf16")
+DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}  # name -> torch's
+
+
+def torch_dtype(name: str):
+    import torch
+
+    return getattr(torch, DTYPES[name])
+
+
+def option(default, help: str, *, flag: str | None = None, short: str | None = None,
+           metavar: str | None = None, choices=None, cli: bool = True, **kwargs):
+    """A field of ExportConfig with what its `edgellm export` flag needs: the help text, and
+    where they differ from the field's name, the flag (`--backend`), a short form and a metavar.
+    `cli=False`: not a flag (the model is positional)."""
+    meta = {"help": help, "flag": flag, "short": short, "metavar": metavar, "choices": choices,
+            "cli": cli}
+    return field(default=default, metadata=meta, **kwargs)
 
 
 @dataclass(frozen=True)
 class ExportConfig:
-    model: str | None = None  # HF folder, .gguf or ExecuTorch .pth; None: the embedded default
-    output: str = "edgellm-out"
-    backends: tuple[str, ...] = ("xnnpack",)
-    max_seq_len: int = 128  # longest T one forward call takes
-    max_context_len: int | None = None  # KV cache length; defaults to max_seq_len
-    prefill_chunk: int = 0  # >0: also a `prefill` method taking this many tokens per call
-    dtype: str = "fp32"
-    quantize: str | None = None  # linear weight recipe (quantize.RECIPES): 8da4w, 8da8w, 4w, 8w
-    group_size: int | None = None  # quantization group along the input dim; 0: per channel
-    embedding_quantize: str | None = None  # embedding tables: "BITS[,GROUP]", e.g. "8", "4,32"
-    etrecord: bool = False
-    verify: bool = True  # check the program against the checkpoint at the end (verification.py)
-    force: bool = False
-    params: str | None = None  # ExecuTorch params JSON, describing a .pth model
-    model_class: str | None = None  # ExecuTorch model class of a .pth model, e.g. lfm2_5_350m
-    tokenizer: str | None = None  # tokenizer.json (or its folder) to ship instead of the model's
-    bos_id: int | None = None  # override the checkpoint's BOS id
-    eos_ids: tuple[int, ...] | None = None  # override the checkpoint's EOS ids
+    model: str | None = option(None, "a Hugging Face folder, .gguf file or ExecuTorch .pth; the "
+                               "embedded SmolLM2-135M when omitted", cli=False)
+    output: str = option("edgellm-out", "output folder (default edgellm-out)", short="-o")
+    backends: tuple[str, ...] = option(("xnnpack",), "backend or chain, e.g. xnnpack, "
+                                       "coreml,xnnpack (default xnnpack)", flag="--backend")
+    max_seq_len: int = option(128, "longest prompt chunk one call takes (default 128)")
+    max_context_len: int | None = option(None, "KV cache length (default max-seq-len)")
+    prefill_chunk: int = option(0, "also export a `prefill` method taking this many tokens per "
+                                "call (0: none)")
+    dtype: str = option("fp32", "weights and activations (default fp32)", choices=tuple(DTYPES))
+    quantize: str | None = option(None, "linear weight recipe: 8da4w, 8da8w (xnnpack); 4w, 8w "
+                                  "(coreml, weight-only)")
+    group_size: int | None = option(None, "quantization group size (0: per channel; default "
+                                    "128 for 8da4w, 32 for 4w and for 8da4w from a "
+                                    "Q4_0/Q4_1/Q4_K GGUF, whose grid it keeps)")
+    embedding_quantize: str | None = option(None, "quantize embedding tables: 8 or 4 bits, e.g. "
+                                            "8 or 4,32", metavar="BITS[,GROUP]")
+    etrecord: bool = option(False, "also write etrecord.bin for ExecuTorch's devtools")
+    verify: bool = option(True, "skip checking the program against the checkpoint after export",
+                          flag="--no-verify")
+    force: bool = option(False, "replace an existing output folder")
+    params: str | None = option(None, "ExecuTorch params JSON describing a .pth model")
+    model_class: str | None = option(None, "ExecuTorch model class of a .pth model, e.g. "
+                                     "lfm2_5_350m")
+    tokenizer: str | None = option(None, "tokenizer.json (or its folder) to ship instead of the "
+                                   "model's")
+    bos_id: int | None = option(None, "the BOS id the runner uses, instead of the checkpoint's")
+    eos_ids: tuple[int, ...] | None = option(None, "the EOS ids the runner stops at, instead of "
+                                             "the checkpoint's (comma-separated)")
     backend_options: Mapping[str, Any] = field(default_factory=dict, metadata={"internal": True})
 
     @property
@@ -113,8 +142,9 @@ def build_dataclass(cls, data: Mapping[str, Any], prefix: str, problems: list[st
     for key, value in data.items():
         if key not in names:
             known = names + list(sections)
-            hint = difflib.get_close_matches(key, known, n=1)
-            more = f" Did you mean '{hint[0]}'?" if hint else f" Known: {', '.join(known)}."
+            hint = difflib.get_close_matches(str(key), known, n=1)
+            more = (f" Did you mean '{prefix}{hint[0]}'?" if hint
+                    else f" Known: {', '.join(prefix + k for k in known)}.")
             problems.append(f"unknown key '{prefix}{key}'.{more}")
             continue
         n = len(problems)
@@ -133,9 +163,11 @@ def build_dataclass(cls, data: Mapping[str, Any], prefix: str, problems: list[st
 def from_dict(data: Mapping[str, Any]) -> ExportConfig:
     """Validate a config mapping (from YAML and overrides) into an ExportConfig."""
     from .backends import BACKENDS, check_chain
+    from .quantize.recipes import problems as recipe_problems
 
     if not isinstance(data, Mapping):
-        raise ConfigError([f"a config must be a mapping of keys to values, got {type(data).__name__}"])
+        raise ConfigError(["a config must be a mapping of keys to values, got "
+                           f"{type(data).__name__}"])
     problems: list[str] = []
     top = {k: v for k, v in data.items() if k not in BACKENDS}
     if "backend" in top and "backends" not in top:  # the CLI flag is --backend
@@ -152,6 +184,8 @@ def from_dict(data: Mapping[str, Any]) -> ExportConfig:
         options[name] = build_dataclass(BACKENDS[name].options, section, f"{name}.", problems)
     if cfg is not None:
         problems.extend(_problems(cfg))
+        chain = [BACKENDS[n] for n in cfg.backends if n in BACKENDS]
+        problems.extend(recipe_problems(cfg, chain, list(BACKENDS.values())))
         problems.extend(check_chain(cfg.backends))
         for name in cfg.backends:
             backend, opts = BACKENDS.get(name), options.get(name)
@@ -170,7 +204,6 @@ def _problems(cfg: ExportConfig) -> list[str]:
     out = []
     if cfg.dtype not in DTYPES:
         out.append(f"dtype: '{cfg.dtype}' is not one of {', '.join(DTYPES)}")
-    out.extend(quantize_problems(cfg))
     if cfg.params is not None and (cfg.model is None or str(cfg.model).endswith(".gguf")):
         out.append("params: an ExecuTorch params JSON describes a .pth checkpoint (or is checked "
                    f"against a Hugging Face folder), but model is {cfg.model!r}; a GGUF carries "
@@ -188,12 +221,28 @@ def _problems(cfg: ExportConfig) -> list[str]:
     return out
 
 
+def resolve_config(model=None, *, config=None, overrides=(), **options):
+    """An ExportConfig from a YAML file, `key=value` overrides, then explicit options (in that
+    order of precedence, lowest first). Options set to None are left to the file or defaults."""
+    from .etconfig import is_executorch, translate
+
+    data = load_yaml(config) if config else {}
+    data = apply_overrides(data, list(overrides))
+    if is_executorch(data):  # an ExecuTorch export_llm config: base, model, export, backend...
+        data = translate(data)
+    data.update({k: v for k, v in options.items() if v is not None})
+    if model is not None:
+        data["model"] = str(model)
+    return from_dict(data)
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """`a.b=value` -> (['a', 'b'], value). The value is read as YAML; a leading '+' is ignored."""
     key, sep, raw = text.partition("=")
     key = key.strip().lstrip("+")
     if not sep or not key or any(not part for part in key.split(".")):
-        raise ConfigError([f"override '{text}' is not of the form key=value (e.g. max_seq_len=256)"])
+        raise ConfigError([f"override '{text}' is not of the form key=value "
+                           "(e.g. max_seq_len=256)"])
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError:

@@ -4,11 +4,16 @@ A config (or a `+section.key=value` override) whose top-level keys are ExecuTorc
 (`base`, `model`, `export`, `quantization`, `backend`, `debug`) is translated field by field into
 edgellm's own keys. Every field edgellm honours maps onto a setting that takes effect; every other
 field is refused by name with the reason, never silently dropped (ExecuTorch's own flow parses
-`enable_state` and `preserve_sdpa` and then reads neither: pytorch/executorch #22352).
+`enable_state` and `preserve_sdpa` and then reads neither: pytorch/executorch #22352), and a
+field that is no field of ExecuTorch's LlmConfig gets the nearest one that is. What a backend's
+`backend.<name>` fields mean is that backend's (`Backend.from_executorch`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import functools
 import json
 from pathlib import Path
 from typing import Any, Mapping
@@ -20,7 +25,10 @@ NOT_YET = "edgellm does not support it yet"
 
 
 def is_executorch(data: Mapping) -> bool:
-    return bool(data) and set(data) <= set(SECTIONS) | {"multimethod"}
+    """Whether a config is export_llm's: one of its sections (edgellm's own `model` is a path,
+    ExecuTorch's a mapping)."""
+    return any(k in SECTIONS + ("multimethod",) and (k != "model" or isinstance(v, Mapping))
+               for k, v in data.items())
 
 
 # ExecuTorch field -> the edgellm key it sets ("_" keys are checked against the backends below)
@@ -32,13 +40,12 @@ RENAMES = {"base.model_class": "model_class", "base.params": "params",
            "export.output_name": "_output_name", "export.output_dir": "_output_dir",
            "quantization.group_size": "group_size",
            "debug.generate_etrecord": "etrecord"}
-# quantization.qmode -> edgellm recipe (quantize.py); export_llm's int8 and 4w are weight-only
+# quantization.qmode -> edgellm recipe (quantize/recipes.py); export_llm's int8 and 4w are
+# weight-only
 QMODES = {"8da4w": "8da4w", "8da8w": "8da8w", "int8": "8w", "4w": "4w"}
 # quantization.pt2e_quantize -> (recipe, group_size): the same math through torchao
 PT2E = {"xnnpack_dynamic": ("8da8w", 0), "xnnpack_dynamic_qc4": ("8da4w", 0),
         "coreml_c4w": ("4w", 0)}
-# backend.coreml.quantize -> (recipe, group_size)
-COREML_QUANTIZE = {"b4w": ("4w", 32), "c4w": ("4w", 0)}
 # fields whose only value edgellm can honour is the one it always has
 FIXED = {"model.use_kv_cache": (True, "edgellm programs always keep a KV cache"),
          "quantization.use_hqq": (True, "edgellm's recipes choose scales with HQQ"),
@@ -50,6 +57,10 @@ def translate(data: Mapping[str, Any]) -> dict:
     that cannot be honoured."""
     out: dict[str, Any] = {}
     problems: list[str] = []
+    for section in set(data) - set(SECTIONS) - {"multimethod"}:
+        close = difflib.get_close_matches(str(section), SECTIONS, n=1)
+        hint = f" Did you mean {close[0]}?" if close else f" Sections: {', '.join(SECTIONS)}."
+        problems.append(f"{section}: unknown section of an ExecuTorch export_llm config.{hint}")
     for section in ("base", "model", "export", "quantization", "debug"):
         fields = data.get(section) or {}
         if not isinstance(fields, Mapping):
@@ -104,7 +115,7 @@ def _metadata(name, value, out, problems):
 
 
 def _quantization(name, value, out, problems):
-    """qmode, embedding_quantize and pt2e_quantize onto edgellm's recipes (quantize.py)."""
+    """qmode, embedding_quantize and pt2e_quantize onto edgellm's recipes (quantize/recipes.py)."""
     if name == "quantization.qmode" and value in QMODES:
         _recipe(name, QMODES[value], None, out, problems)
     elif name == "quantization.qmode" and str(value).startswith("torchao:"):
@@ -139,109 +150,93 @@ def _recipe(name, recipe, group, out, problems):
 
 
 def _refused(name: str, value) -> str:
+    """A field edgellm does not map: misspelt (not a field of ExecuTorch's LlmConfig: the nearest
+    one is named) or one edgellm does not support."""
+    fields = executorch_fields()
+    if name not in fields:
+        section = name.rpartition(".")[0]
+        known = [f for f in fields if f.rpartition(".")[0] == section] or list(fields)
+        close = difflib.get_close_matches(name, known, n=1)
+        hint = f" Did you mean {close[0]}?" if close else ""
+        return f"{name}: unknown field, not one of ExecuTorch's LlmConfig.{hint}"
     return f"{name}: {value!r} is not supported; {NOT_YET}. Remove it to continue"
 
 
-BACKEND_FIELDS = {
-    "coreml": {"ios": "min_ios", "compute_units": "compute_units"},
-    "xnnpack": {},
-    "vulkan": {},
-}
+@functools.cache
+def executorch_fields() -> tuple[str, ...]:
+    """Every dotted field of ExecuTorch's LlmConfig (`export.max_seq_length`, ...)."""
+    from executorch.extension.llm.export.config.llm_config import LlmConfig
+
+    def walk(cls, prefix: str):
+        for f in dataclasses.fields(cls):
+            inner = getattr(f.default_factory, "__dataclass_fields__", None) and f.default_factory
+            if inner:
+                yield from walk(inner, f"{prefix}{f.name}.")
+            else:
+                yield prefix + f.name
+    return tuple(walk(LlmConfig, ""))
 
 
 def _backends(section, out, problems):
+    from .backends import BACKENDS, NOT_HERE
+
     if not isinstance(section, Mapping):
         problems.append(f"backend: expected a mapping of backends, got {section!r}")
         return
     chain = []
-    for backend, fields in section.items():
+    for name, fields in section.items():
         if not isinstance(fields or {}, Mapping):
-            problems.append(f"backend.{backend}: expected a mapping of fields such as "
+            problems.append(f"backend.{name}: expected a mapping of fields such as "
                             f"enabled: true, got {fields!r}")
             continue
         fields = dict(fields or {})
         if not fields.pop("enabled", False):
             continue
-        if backend == "mlx":
-            problems.append(_mlx_unavailable())
-            continue
-        if backend not in BACKEND_FIELDS:
-            problems.append(f"backend.{backend}: edgellm has no {backend} backend; supported: "
-                            f"{', '.join(BACKEND_FIELDS)}")
+        backend = BACKENDS.get(name)
+        if backend is None or backend.from_executorch is None:
+            problems.append(f"backend.{name}: {NOT_HERE[name]()}" if name in NOT_HERE else
+                            _no_backend(name, BACKENDS))
             continue
         chain.append(backend)
-        options = {}
-        for key, value in fields.items():
-            target = BACKEND_FIELDS[backend].get(key)
-            if target:
-                options[target] = value
-            else:
-                _backend_field(backend, key, value, options, problems)
+        options, recipes, found = backend.from_executorch(fields)
+        problems.extend(found)
+        for key, value in fields.items():  # what the backend did not take
+            problems.append(_refused(f"backend.{name}.{key}", value))
+        for field_name, (recipe, group) in recipes.items():
+            _recipe(field_name, recipe, group, out, problems)
         if options:
-            out[backend] = options
+            out[name] = options
     if chain:
-        out["backends"] = chain
+        out["backends"] = [b.name for b in chain]
     _check_shapes(chain, out, problems)
 
 
-def _backend_field(backend, key, value, options, problems):
-    name = f"backend.{backend}.{key}"
-    if backend == "coreml" and key == "enable_state":
-        options["state"] = "coreml" if value else "io"
-    elif backend == "coreml" and key == "preserve_sdpa":
-        options["_preserve_sdpa"] = value  # checked once min_ios is known
-    elif backend == "coreml" and key == "quantize" and value in COREML_QUANTIZE:
-        options["_quantize"] = value  # a top-level recipe; moved out in _check_shapes
-    elif backend == "xnnpack" and key == "extended_ops":
-        if value is not True:
-            problems.append(f"{name}: false is not supported; edgellm hands XNNPACK every op it "
-                            "supports (extended_ops: true)")
-    else:
-        problems.append(_refused(name, value))
+def _no_backend(name: str, backends: dict) -> str:
+    known = [n for n, b in backends.items() if b.from_executorch]
+    close = difflib.get_close_matches(str(name), known, n=1)
+    hint = f" Did you mean {close[0]}?" if close else ""
+    return f"backend.{name}: edgellm has no {name} backend.{hint} Supported: {', '.join(known)}"
 
 
 def _check_shapes(chain, out, problems):
+    """model.enable_dynamic_shape and model.use_sdpa_with_kv_cache against what the chain's
+    programs are: they can only say what edgellm already does."""
     dynamic = out.pop("_dynamic", None)
-    static = [b for b in chain if b != "xnnpack"]
+    static = [b.name for b in chain if not b.dynamic_shapes]
     if dynamic is True and static:
         problems.append(f"model.enable_dynamic_shape: true, but {static[0]} programs take one "
                         "token per call (static shapes); set it to false")
-    if dynamic is False and chain == ["xnnpack"]:
-        problems.append("model.enable_dynamic_shape: false is not supported for xnnpack; "
-                        "edgellm's XNNPACK programs take 1..max_seq_len tokens per call")
+    if dynamic is False and chain and not static:
+        problems.append(f"model.enable_dynamic_shape: false is not supported for "
+                        f"{','.join(b.name for b in chain)}; edgellm's programs for it take "
+                        "1..max_seq_len tokens per call")
     custom = out.pop("_custom_sdpa", None)
-    if custom is True and chain and chain[0] != "xnnpack":
+    if custom is True and chain and not chain[0].custom_sdpa:
         problems.append(f"model.use_sdpa_with_kv_cache: true asks for ExecuTorch's "
-                        f"llama::custom_sdpa, which {chain[0]} cannot run; set it to false")
-    if custom is False and chain and chain[0] == "xnnpack":
-        problems.append("model.use_sdpa_with_kv_cache: false is not supported for xnnpack; "
-                        "edgellm's XNNPACK programs use llama::custom_sdpa")
-    coreml = out.get("coreml", {})
-    if "_quantize" in coreml:
-        value = coreml.pop("_quantize")
-        _recipe("backend.coreml.quantize", *COREML_QUANTIZE[value], out, problems)
-    preserve = coreml.pop("_preserve_sdpa", None)
-    ios = coreml.get("min_ios", 18)
-    if preserve is True and isinstance(ios, int) and ios < 18:
-        problems.append(f"backend.coreml.preserve_sdpa: true needs ios 18 or later (Core ML's "
-                        f"fused attention op), got ios {ios}")
-    if preserve is False and isinstance(ios, int) and ios >= 18:
-        problems.append("backend.coreml.preserve_sdpa: false is not supported with ios 18; "
-                        "edgellm hands Core ML fused attention from iOS 18 on. Set ios: 17 for "
-                        "decomposed attention")
-
-
-def _mlx_unavailable() -> str:
-    import importlib
-
-    try:
-        importlib.import_module("executorch.backends.mlx")
-        reason = "edgellm has no MLX backend yet"
-    except ImportError as e:
-        reason = (f"its lowering is not available in the Linux ExecuTorch wheel "
-                  f"(importing executorch.backends.mlx fails: {e})")
-    return (f"backend.mlx: MLX cannot be used: {reason}. Export for Core ML "
-            "(backend.coreml.enabled: true) to run on Apple hardware")
+                        f"llama::custom_sdpa, which {chain[0].name} cannot run; set it to false")
+    if custom is False and chain and chain[0].custom_sdpa:
+        problems.append(f"model.use_sdpa_with_kv_cache: false is not supported for "
+                        f"{chain[0].name}; edgellm's programs for it use llama::custom_sdpa")
 
 
 def output_folder(out: dict) -> None:

@@ -98,9 +98,11 @@ def mutable_buffers(ep: ExportedProgram) -> dict[str, dict]:
 
 def forget_lowered_graphs() -> None:
     """Drop what ExecuTorch's modules keep of the last lowering, which holds the edge program with
-    every weight (1.35 GB of mmapped checkpoint for LFM2.5-350M, resident through verification):
+    every weight (the mmapped checkpoint's pages would stay resident through verification):
     module-level `WhyNoPartition` loggers keep the last rejected node, and `lru_cache`d helpers
-    such as `exir.backend.utils.is_same_node` are keyed by nodes. Caches only recompute."""
+    such as `exir.backend.utils.is_same_node` are keyed by nodes. Caches only recompute; those of
+    functions without arguments (XNNPACK's pattern graphs, built once a process) hold no graph
+    of ours and stay."""
     import sys
 
     from executorch.exir.backend.utils import WhyNoPartition
@@ -111,19 +113,22 @@ def forget_lowered_graphs() -> None:
         for value in list(vars(module).values()):
             if isinstance(value, WhyNoPartition):
                 value.node = None
-            elif callable(getattr(value, "cache_clear", None)) and hasattr(value, "cache_info"):
+            elif (callable(getattr(value, "cache_clear", None)) and hasattr(value, "cache_info")
+                  and _takes_arguments(value)):
                 value.cache_clear()
 
 
-def _lean_passes() -> bool:
-    """Install (or, with EDGELLM_UPSTREAM_COPIES=1, remove) backends/exir_lean.py, which keeps
-    ExportPass retraces from re-running torchao's quantize ops on fake tensors (same program).
-    ExecuTorch 1.5.x only. Returns whether it is installed."""
-    from executorch.version import __version__
+def _takes_arguments(cached) -> bool:
+    import inspect
 
-    from .backends import switch_workarounds
+    try:
+        return bool(inspect.signature(getattr(cached, "__wrapped__", cached)).parameters)
+    except (TypeError, ValueError):  # no signature to read: clear it
+        return True
 
-    return switch_workarounds("exir_lean", __version__.startswith("1.5."))
+
+# edgellm.patches every lowering runs with, whatever the backends (theirs: Backend.patches)
+LOWERING_PATCHES = ("exir.torchao_fake_runs",)
 
 
 def lower(programs: dict[str, ExportedProgram], partitioners: list, constant_methods: dict,
@@ -132,17 +137,16 @@ def lower(programs: dict[str, ExportedProgram], partitioners: list, constant_met
     ExecuTorch's quantized embedding kernels (`embedding_byte` / `embedding_4bit`), as
     export_llm does; without it `to_executorch` finds no out variant for dequantize_affine.
     dedupe: ExecuTorch's CSEPass before partitioning, which merges the block sums that linears
-    reading the same input each compute (quantize.GridLinear: q, k and v share one)."""
+    reading the same input each compute (quantize.grid.GridLinear: q, k and v share one)."""
     from executorch.exir import (EdgeCompileConfig, ExecutorchBackendConfig,
                                  to_edge_transform_and_lower)
     from executorch.exir.passes import MemoryPlanningPass
     from executorch.exir.passes.cse_pass import CSEPass
     from executorch.exir.passes.sym_shape_eval_pass import ConstraintBasedSymShapeEvalPass
 
-    from .progress import release_memory
+    from .memory import release_memory
     from .report import delegation, op_histogram, preserved_report
 
-    _lean_passes()
     ops_before = op_histogram(programs)
     states = {name: mutable_buffers(ep) for name, ep in programs.items()}
     logged: list[str] = []
@@ -164,7 +168,7 @@ def lower(programs: dict[str, ExportedProgram], partitioners: list, constant_met
     # several methods, each buffer gets one place that every method reads and writes (one
     # MemoryPlanningPass instance plans them all).
     # lowering leaves garbage in cycles (copies of programs, fake tensors): collect it before the
-    # emitter copies every undelegated constant (LFM2.5-350M 8da4w: 1.29 -> 1.16 GB first)
+    # emitter copies every undelegated constant
     release_memory()
     program = edge.to_executorch(ExecutorchBackendConfig(
         do_quant_fusion_and_const_prop=quant_fusion,

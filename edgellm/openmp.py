@@ -3,14 +3,13 @@
 In a Python process, ExecuTorch's LLM attention (`llama::custom_sdpa` of the pip wheel's AOT
 library) multiplies through torch's BLAS from inside ExecuTorch's threadpool workers, and with
 OpenMP's default team size each worker starts a team of its own on the cores XNNPACK's threads
-already use. Measured on LFM2.5-350M 8da4w, 2 cores: a 64-token prefill's attention took 6.6-18 ms
-instead of 1.5-1.7 (ETDump, per operator), and the prefill ran at 1300-1500 tok/s instead of
-2110-2160, for export_llm's program as for edgellm's. ExecuTorch's C++ runner on a device has no
-second pool. OpenMP reads the team size once, when torch loads it: `torch.set_num_threads` later
-reaches the calling thread only, not the workers (measured: no change). So it has to be in the
-environment before torch is imported, and since it also makes torch's own eager work
-single-threaded, it is set for the commands that only run programs (bench, generate) and the
-speed benchmarks in bench/, never for export.
+already use: attention, and with it prefill, runs several times slower (BENCHMARKS.md), for
+export_llm's program as for edgellm's. ExecuTorch's C++ runner on a device has no second pool.
+OpenMP reads the team size once, when torch loads it: `torch.set_num_threads` later reaches the
+calling thread only, not the workers. So it has to be in the environment before torch is
+imported, and since it also makes torch's own eager work single-threaded, it is set for the
+commands that only run programs (bench, generate) and the speed benchmarks in bench/, never for
+export.
 
 Light on purpose: importing this module imports neither torch nor ExecuTorch.
 """

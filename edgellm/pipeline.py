@@ -15,16 +15,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
-
+from . import patches
 from . import report as reports
 from .backends import plan_for
 from .config import ExportConfig, dump_yaml
 from .errors import InputError
-from .progress import (Stages, drop_checkpoint_pages, long_run_collector, peak_rss_mb,
-                       release_memory)
-
-TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+from .memory import long_run_collector, peak_rss_mb, release_memory
+from .progress import Stages
 
 
 def check_destination(dest: Path, force: bool) -> None:
@@ -96,35 +93,44 @@ def metadata(cfg: ExportConfig, source, dynamic: bool, custom_sdpa: bool) -> dic
 
 
 def export(cfg: ExportConfig, quiet: bool = False) -> dict:
-    """Run one export as configured; returns the report (also written as report.json)."""
+    """Run one export as configured; returns the report (also written as report.json).
+
+    Stages: load, build, quantize (eager.py), export, lower, serialize, inspect. With
+    verification, `made` hands it each stage's product as it is made, the one place the two
+    meet; it runs its own stages (reference, expected, graph, verify) on them."""
     from .capture import export_methods
-    from .lower import lower
-    from .sources import load_source
+    from .eager import eager_model
+    from .lower import LOWERING_PATCHES, lower
 
     dest = Path(cfg.output)
     check_destination(dest, cfg.force)
     plan = plan_for(cfg)  # refuses unavailable backends before any heavy work
     stages = Stages(quiet=quiet)
     with staging(dest, cfg.force) as tmp, contextlib.ExitStack() as run:
-        with stages.stage("load"):
-            partitioners = plan.partitioners()  # imports the backends' toolchains
-            source = load_source(cfg.model, params=cfg.params, model_class=cfg.model_class,
-                                 tokenizer=cfg.tokenizer)
-            source.bos_id = source.bos_id if cfg.bos_id is None else cfg.bos_id
-            source.eos_ids = source.eos_ids if cfg.eos_ids is None else cfg.eos_ids
-        # what was imported and read so far lives to the end: collections skip it from here
-        run.enter_context(long_run_collector())
-        opts = plan.model_options(cfg, source.stored_types)
-        model, check, done, weights_per_token = eager_model(cfg, plan, opts, source, stages, tmp)
+        check = None
+        if cfg.verify:
+            from .verification import Verification
+
+            check = Verification(cfg, plan, stages)
+
+        def made(stage: str, product) -> None:
+            if stage == "load":  # what was imported and read so far lives to the end of the
+                run.enter_context(long_run_collector())  # run: collections skip it from here
+            if check:
+                check.take(stage, product)
+
+        eager = eager_model(cfg, plan, stages, made)
+        source, done = eager.source, eager.quantized
         with stages.stage("export"):
-            programs = export_methods(model, cfg.max_seq_len, plan.dynamic_shapes,
+            programs = export_methods(eager.model, cfg.max_seq_len, plan.dynamic_shapes,
                                       cfg.prefill_chunk)
-            if check and check.stand_in_needed:  # the graph the undelegable program came from
-                check.stand_in(programs["forward"])
-            del model
-            release_memory()  # the module graph holds cycles; free it before lowering
-        with stages.stage("lower"):
-            meta = metadata(cfg, source, plan.dynamic_shapes, opts.attention == "custom_ops")
+        made("export", programs)
+        eager.model = None
+        release_memory()  # the module graph holds cycles; free it before lowering
+        with stages.stage("lower"):  # patches first: they apply to the partitioners made here
+            applied = patches.apply(plan.patches + LOWERING_PATCHES)
+            partitioners = plan.partitioners()  # imports the backends' toolchains
+            meta = metadata(cfg, source, plan.dynamic_shapes, plan.backends[0].custom_sdpa)
             lowered = lower(programs, partitioners, meta, cfg.etrecord,
                             quant_fusion=cfg.embedding_quantize is not None,
                             dedupe=bool(done and done.linears_on_source_grid))
@@ -147,14 +153,15 @@ def export(cfg: ExportConfig, quiet: bool = False) -> dict:
                 delegates = inspect_delegates(plan, tmp / "model.pte", lowered.states)
         pte_bytes = (tmp / "model.pte").stat().st_size
         rep = build_report(cfg, plan, source, lowered, stages, (files, pte_bytes))
-        rep["delegates"], rep["weight_bytes_per_token"] = delegates, weights_per_token
+        rep["delegates"], rep["weight_bytes_per_token"] = delegates, eager.weight_bytes
+        rep["patches"] = applied
         if done:
             rep["quantization"] = done.report()
         reports.write(rep, tmp)
         if check:
             release_memory()
-            with stages.stage("verify"):
-                rep["verify"] = check.finish(tmp)
+            made("files", tmp)
+            rep["verify"] = check.result
             rep["stages"], rep["wall_s"], rep["peak_rss_mb"] = (stages.records, stages.wall_s,
                                                                 peak_rss_mb())
             reports.write(rep, tmp)
@@ -163,43 +170,6 @@ def export(cfg: ExportConfig, quiet: bool = False) -> dict:
 
         enforce(rep["verify"], f"The program in {dest}")
     return rep
-
-
-def eager_model(cfg: ExportConfig, plan, opts, source, stages: Stages, folder: Path) -> tuple:
-    """The build, reference and quantize stages: (model, verification or None, quantization done
-    or None, weight bytes read per token). With verification, the reference stage checks the
-    model just built (before quantization) and quantize gives it the program's numerics, so
-    nothing is built or quantized twice (verification.Verification)."""
-    from .architectures import build_model
-    from .architectures.layers import weight_bytes
-
-    with stages.stage("build"):
-        model = build_model(source.hf_config, source.state_dict, opts, TORCH_DTYPES[cfg.dtype])
-    check, done = None, None
-    quantizing = bool(cfg.quantize or cfg.embedding_quantize)
-    if cfg.verify:  # after build, which names what does not fit in the checkpoint
-        with stages.stage("reference"):
-            from .verification import Verification
-
-            source.write_tokenizer(folder)  # the text it measures along is tokenized with it
-            check = Verification(cfg, plan, source, folder, model=model)
-            if check.expected is None and not quantizing:  # fp16, bf16
-                check.expect(model)
-    source.state_dict = {}  # the model holds the tensors now
-    drop_checkpoint_pages()  # pages of checkpoint weights the build replaced
-    weights_per_token = weight_bytes(model)
-    if quantizing:
-        with stages.stage("quantize"):
-            from .quantize import quantize
-
-            done = quantize(model, cfg, source.stored_types)
-            weights_per_token -= done.bytes_saved
-            if check:  # the program's numerics, from this model: not quantized a second time
-                check.expect(model)
-        drop_checkpoint_pages()  # and those quantization replaced
-        for line in [] if stages.quiet else done.notes():
-            print(line, file=sys.stderr, flush=True)
-    return model, check, done, weights_per_token
 
 
 def inspect_delegates(plan, pte: Path, states: dict) -> dict:
@@ -216,7 +186,7 @@ def write_outputs(folder: Path, cfg: ExportConfig, source, lowered) -> dict:
     paths = {k: str(Path(v).resolve()) for k, v in (("model", source.origin),
              ("params", cfg.params), ("tokenizer", cfg.tokenizer)) if v is not None}
     (folder / "config.yaml").write_text(dump_yaml(dataclasses.replace(cfg, **paths)))
-    if (folder / "tokenizer.json").is_file() or source.write_tokenizer(folder):  # verify's first
+    if source.write_tokenizer(folder):
         files["tokenizer"] = "tokenizer.json"
     if cfg.etrecord:
         lowered.program.get_etrecord().save(str(folder / "etrecord.bin"))

@@ -34,7 +34,8 @@ def delegation(graph_module) -> dict:
             "delegated_nodes": info.num_delegated_nodes,
             "non_delegated_nodes": info.num_non_delegated_nodes,
             "non_delegated_compute_nodes": compute,
-            "by_backend": {name: {"subgraphs": e["subgraphs"], "ops": dict(sorted(e["ops"].items()))}
+            "by_backend": {name: {"subgraphs": e["subgraphs"],
+                                  "ops": dict(sorted(e["ops"].items()))}
                            for name, e in per_backend.items()},
             "by_op": by_op}
 
@@ -106,15 +107,14 @@ def markdown(r: dict) -> str:
     lines += ["", "| stage | wall s | peak RSS MB |", "|---|---|---|"]
     lines += [f"| {s['name']} | {s['wall_s']:.1f} | {s['peak_rss_mb']:.0f} |" for s in r["stages"]]
     if "verify" in r:
-        from .verification import summary as verify_summary
-
         lines += ["", "Verification against the checkpoint "
                   f"({'passed' if r['verify']['passed'] else 'FAILED'}):", "", "```",
                   verify_summary(r["verify"]), "```"]
     for entry in r["preserved_ops"]:
         kept = [o for o in entry["ops"] if o["status"] != "absent"]
         if kept:
-            lines += ["", f"Ops {entry['partitioner']} asked to keep whole, present in the program:"]
+            lines += ["", f"Ops {entry['partitioner']} asked to keep whole, present in the "
+                      "program:"]
             lines += [f"- {o['op']}: {o['status']} ({o['in_delegates']}/{o['in_program']})"
                       for o in kept]
     for name, m in r["methods"].items():
@@ -124,6 +124,27 @@ def markdown(r: dict) -> str:
             lines += ["", f"Not delegated in {name}: " +
                       ", ".join(f"{op} x{n}" for op, n in sorted(rest.items()))]
     return "\n".join(lines) + "\n"
+
+
+def verify_summary(result: dict) -> str:
+    """verify's figures, a line per check, and perplexity."""
+    lines = []
+    for c in result["checks"]:
+        status = "ok" if c["passed"] else "FAILED"
+        div = c["first_divergence"] or "none"
+        lines.append(f"{c['level']:>14}: {status}  SQNR {c['sqnr_db']:.1f} dB (min "
+                     f"{c['min_sqnr_db']:.0f}), top-1 {c['top1']:.3f} (min {c['min_top1']}), "
+                     f"max abs {c['max_abs']:.3g}, max rel {c['max_rel']:.3g}, first divergence "
+                     f"{div}")
+        if c["note"]:
+            lines.append(f"{'':>16}{c['note']}")
+    if "perplexity" in result:
+        ppl = result["perplexity"]
+        scores = ", ".join(f"{k.replace('_', ' ')} {v:.3f}" for k, v in ppl.items()
+                           if k not in ("text", "tokens", "top1_vs_fp32"))
+        lines.append(f"{'perplexity':>14}: {scores} ({ppl['tokens']} tokens of {ppl['text']}; "
+                     f"top-1 agreement with fp32 along the text {ppl['top1_vs_fp32']:.3f})")
+    return "\n".join(lines)
 
 
 def summary(r: dict) -> str:
@@ -161,7 +182,8 @@ COLUMNS = ("subgraphs", "delegated_nodes", "non_delegated_nodes")
 
 
 def compare(a: dict, b: dict, method: str = "forward") -> dict:
-    """The seed's results table for two reports, and every op whose count changed."""
+    """A results table of two reports (subgraphs, delegated and non-delegated nodes, deprecation
+    warnings), and every op whose count changed."""
     from .errors import InputError
 
     rows, ops = {}, {}

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ from typing import Callable, Iterator
 import torch
 
 from .errors import InputError
+from .memory import libc
 
 QUIET_NATIVE_LOGS = False  # set by the CLI: the runtime's C++ info lines go to /dev/null
 
@@ -40,17 +40,10 @@ def native_logs():
         yield
     finally:
         _SILENCING[0] -= 1
-        _libc().fflush(None)  # C stdio buffers what the kernels logged; drop it with the rest
+        libc().fflush(None)  # C stdio buffers what the kernels logged; drop it with the rest
         os.dup2(saved, 2)
         os.close(saved)
         os.close(null)
-
-
-@functools.lru_cache(maxsize=1)
-def _libc():
-    import ctypes
-
-    return ctypes.CDLL(None)
 
 
 METADATA = ("get_max_seq_len", "get_max_context_len", "get_vocab_size", "get_n_layers",

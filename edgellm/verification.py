@@ -1,4 +1,5 @@
-"""Checking an exported program against the model it came from, in two levels.
+"""Checking an exported program against the model it came from: two levels, and what a recipe
+costs.
 
 - rewrite: edgellm's eager model (written for the backend) against transformers on the same
   weights, both in float32: the re-authoring changed no math.
@@ -109,16 +110,14 @@ def measure(level: str, actual: list, expected: list, limits: tuple, note: str =
 def verify(target, steps: int = 8) -> dict:
     """Verify an export folder (or its model.pte) against the checkpoint its config.yaml names.
     Returns {"passed", "checks": [...], "perplexity"}; raises nothing for a failed check (see
-    `enforce`). One model is alive at a time: transformers, then the eager models, then the
-    program. An export with verification does the same work as it goes (`Verification`), with
-    the eager model it built instead of a second one."""
-    from . import resolve_config
-    from .architectures import build_model
+    `enforce`). The eager model is made as the export made it (eager.eager_model), and checked
+    by the same `Verification` an export feeds as it goes."""
     from .backends import plan_for
+    from .config import resolve_config
     from .capture import export_forward
-    from .pipeline import TORCH_DTYPES
-    from .progress import release_memory
-    from .sources import load_source
+    from .eager import eager_model
+    from .memory import release_memory
+    from .progress import Stages
 
     folder = Path(target).parent if Path(target).suffix == ".pte" else Path(target)
     if not (folder / "config.yaml").is_file():
@@ -126,81 +125,93 @@ def verify(target, steps: int = 8) -> dict:
                          "wrote (model.pte beside config.yaml).")
     cfg = resolve_config(config=folder / "config.yaml")
     plan = plan_for(cfg)
-    source = load_source(cfg.model, params=cfg.params, model_class=cfg.model_class)
-    check = Verification(cfg, plan, source, folder, steps)
-    if check.expected is None or check.stand_in_needed:  # built as the program was
-        opts = plan.model_options(cfg, source.stored_types)
-        eager = build_model(source.hf_config, dict(source.state_dict), opts,
-                            TORCH_DTYPES[cfg.dtype])
-        if check.quantized:
-            from .quantize import quantize
-
-            quantize(eager, cfg, source.stored_types)
-        if check.expected is None:
-            check.expect(eager)
-        if check.stand_in_needed:
-            check.stand_in(export_forward(eager, cfg.max_seq_len, plan.dynamic_shapes))
-        del eager
-    source.state_dict = {}  # the program holds its own weights; drop ours first
+    check = Verification(cfg, plan, Stages(quiet=True), steps)
+    eager = eager_model(cfg, plan, check.stages, check.take)
+    if check.stand_in_needed:
+        check.take("export", {"forward": export_forward(eager.model, cfg.max_seq_len,
+                                                        plan.dynamic_shapes)})
+    del eager
     release_memory()  # modules hold cycles (bound hooks): free the eager model now
-    return check.finish(folder)
+    check.take("files", folder)
+    return check.result
 
 
 class Verification:
-    """verify's work in the order an export can feed it, so that an export checks the eager model
-    it built and quantized instead of building and quantizing a second one (for 8da4w, the
-    quantize stage's cost again):
+    """verify's work as a consumer of an export's stage products (`take`), so that an export
+    checks the eager model it built and quantized instead of building and quantizing a second
+    one. Each product is used when it is made and not kept; the work is timed as stages:
 
-    1. `Verification(...)`: transformers' greedy continuations and logits on the prompts and
-       along the shipped text, then the rewrite check (edgellm's model in fp32: the export's,
-       or one built here, against transformers);
-    2. `expect(model)`: the eager model built as the program was (dtype, quantization) gives the
-       logits the program must match; an fp32 program without quantization has them from 1.;
-    3. `stand_in(exported)`: for programs this machine cannot run, the exported graph before
-       lowering stands in for the program (`stand_in_needed`);
-    4. `finish(folder)`: the program itself where it runs, the quantization cost against fp32,
-       perplexity; returns verify's result.
+    - "load" (the Source): kept until "build", for transformers.
+    - "build" (edgellm's model, not yet quantized) -> stage "reference": transformers' greedy
+      continuations and logits on the prompts and along the shipped text, then the rewrite check
+      (edgellm's model in fp32: this one, or one built here when the export is not fp32). The
+      program's expected logits are the rewrite's when it is fp32 and not quantized, else this
+      model's when it is not quantized.
+    - "quantize" (the quantized model) -> stage "expected": the logits the program must match.
+    - "export" (the exported programs) -> stage "graph", for programs this machine cannot run:
+      the exported graph of `forward` stands in for the program.
+    - "files" (the written folder) -> stage "verify": the program itself where it runs, the
+      quantization cost against fp32, perplexity; `result` holds verify's answer.
 
     The runs leave the model's caches written; that changes no exported program, whose mutated
     buffers keep only their shape and dtype (tested: the same bytes with and without
-    verification). In an export, transformers runs beside the export's model, on the checkpoint
-    tensors that model shares or has just read."""
+    verification)."""
 
-    def __init__(self, cfg, plan, source, folder: Path, steps: int = 8, model=None):
-        """`model`: edgellm's model as the export built it, before quantization (its rewrite check
-        runs on it when it is fp32; else an fp32 one is built here)."""
-        from .architectures import build_model
-        from .progress import release_memory
-
-        self.cfg, self.plan = cfg, plan
+    def __init__(self, cfg, plan, stages, steps: int = 8):
+        self.cfg, self.plan, self.stages = cfg, plan, stages
         self.steps = max(1, min(steps, cfg.context_len // 2))  # prompt and steps fit the cache
+        self.quantized = bool(cfg.quantize or cfg.embedding_quantize)
+        self.limits = THRESHOLDS["quantized" if self.quantized else cfg.dtype]
+        self.stand_in_needed = not all(b.runs_here for b in plan.backends)
+        self.source = self.text = self.cases = self.ref = self.ref_text = None
+        self.checks, self.expected, self.candidate, self.result = [], None, None, None
+
+    def take(self, stage: str, product) -> None:
+        """A stage's product, as it is made (by eager.eager_model and the export job)."""
+        if stage == "load":
+            self.source = product
+        elif stage == "build":
+            with self.stages.stage("reference"):
+                self._reference(product)
+        elif stage == "quantize":
+            with self.stages.stage("expected"):
+                self.expected = self.collect(product, eager_prefill(product))
+        elif stage == "export" and self.stand_in_needed:
+            with self.stages.stage("graph"):
+                self._stand_in(product["forward"])
+        elif stage == "files":
+            with self.stages.stage("verify"):
+                self.result = self._finish(product)
+
+    def _reference(self, model) -> None:
+        from .architectures import build_model
+        from .memory import release_memory
+
+        cfg, source = self.cfg, self.source
         longest = min(cfg.max_seq_len, cfg.context_len - self.steps)
-        self.text = text_tokens(folder, cfg.context_len)
+        self.text = text_tokens(source.tokenizer(), cfg.context_len)
         reference = transformers_model(source)
         runs = [(p, *reference_run(reference, p, self.steps))
                 for p in prompts(source.hf_config.vocab_size, longest, self.text)]
         self.cases, self.ref = [(p, t) for p, t, _ in runs], [logits for _, _, logits in runs]
-        self.ref_text = None
         if self.text:
             with torch.no_grad():
                 self.ref_text = reference(torch.tensor([self.text])).logits[0, :-1].float()
         del reference, runs
         release_memory()  # transformers' modules hold cycles too
-        if model is not None and cfg.dtype == "fp32":
+        if cfg.dtype == "fp32":
             actual = self.collect(model, eager_prefill(model))
         else:
-            opts = plan.model_options(cfg, source.stored_types)
-            eager = build_model(source.hf_config, dict(source.state_dict), opts, torch.float32)
-            actual = self.collect(eager, eager_prefill(eager))
-            del eager
+            opts = self.plan.model_options(cfg, source.stored_types)
+            fp32 = build_model(source.hf_config, source.state_dict, opts, torch.float32)
+            actual = self.collect(fp32, eager_prefill(fp32))
+            del fp32
             release_memory()
         self.checks = [measure("rewrite", actual, self.ref, THRESHOLDS["fp32"])]
-        self.quantized = bool(cfg.quantize or cfg.embedding_quantize)
-        self.limits = THRESHOLDS["quantized" if self.quantized else cfg.dtype]
-        # the program's own numerics are these when it is built exactly as the rewrite was
-        self.expected = actual if cfg.dtype == "fp32" and not self.quantized else None
-        self.stand_in_needed = not all(b.runs_here for b in plan.backends)
-        self.candidate = None  # (actual, text logits) of the exported graph, by stand_in
+        if not self.quantized:  # the program is built as this model was
+            self.expected = actual if cfg.dtype == "fp32" else self.collect(
+                model, eager_prefill(model))
+        self.source = None
 
     def collect(self, forward, prefill) -> list:
         """Logits along every case; eager custom ops log from C++ like the runtime's kernels."""
@@ -209,10 +220,7 @@ class Verification:
         with torch.no_grad(), native_logs():
             return [run_steps(forward, prefill, p, t) for p, t in self.cases]
 
-    def expect(self, model) -> None:
-        self.expected = self.collect(model, eager_prefill(model))
-
-    def stand_in(self, exported) -> None:
+    def _stand_in(self, exported) -> None:
         """The exported graph (an ExportedProgram of `forward`) in place of the program."""
         from .runtime import native_logs
 
@@ -225,7 +233,7 @@ class Verification:
                 text_logits = run_steps(graph, prefill, self.text[:1], self.text[1:])
         self.candidate = (actual, text_logits)
 
-    def finish(self, folder: Path) -> dict:
+    def _finish(self, folder: Path) -> dict:
         from .runtime import native_logs
 
         cfg, checks, expected = self.cfg, list(self.checks), self.expected
@@ -305,14 +313,12 @@ def recipe_cost(cfg, level: str, on: str, actual: list, reference: list) -> Chec
                    note=f"{recipe}: the {level} against transformers in fp32, {on}")
 
 
-def text_tokens(folder: Path, limit: int) -> list[int] | None:
-    """The shipped English text through the export's tokenizer, at most `limit` tokens (None
-    without a tokenizer.json: perplexity is then not measured)."""
-    if not (folder / "tokenizer.json").is_file():
+def text_tokens(tokenizer, limit: int) -> list[int] | None:
+    """The shipped English text through the model's tokenizer (tokenizers.Tokenizer), at most
+    `limit` tokens (None without a tokenizer: perplexity is then not measured)."""
+    if tokenizer is None:
         return None
-    from .runtime import load_tokenizer
-
-    ids = load_tokenizer(folder).encode(TEXT.read_text()).ids[:min(limit, 128)]
+    ids = tokenizer.encode(TEXT.read_text()).ids[:min(limit, 128)]
     return ids if len(ids) > 1 else None
 
 
@@ -331,7 +337,8 @@ def one_by_one(forward):
 
 
 def transformers_model(source):
-    """transformers' own model on the source's weights (assigned, not copied)."""
+    """transformers' own model on the source's weights (assigned: fp32 tensors are shared, others
+    converted)."""
     from transformers import AutoModelForCausalLM
     from transformers.initialization import no_init_weights
 
@@ -347,28 +354,10 @@ def transformers_model(source):
     return model.eval()
 
 
-def summary(result: dict) -> str:
-    lines = []
-    for c in result["checks"]:
-        status = "ok" if c["passed"] else "FAILED"
-        div = c["first_divergence"] or "none"
-        lines.append(f"{c['level']:>14}: {status}  SQNR {c['sqnr_db']:.1f} dB (min "
-                     f"{c['min_sqnr_db']:.0f}), top-1 {c['top1']:.3f} (min {c['min_top1']}), "
-                     f"max abs {c['max_abs']:.3g}, max rel {c['max_rel']:.3g}, first divergence "
-                     f"{div}")
-        if c["note"]:
-            lines.append(f"{'':>16}{c['note']}")
-    if "perplexity" in result:
-        ppl = result["perplexity"]
-        scores = ", ".join(f"{k.replace('_', ' ')} {v:.3f}" for k, v in ppl.items()
-                           if k not in ("text", "tokens", "top1_vs_fp32"))
-        lines.append(f"{'perplexity':>14}: {scores} ({ppl['tokens']} tokens of {ppl['text']}; "
-                     f"top-1 agreement with fp32 along the text {ppl['top1_vs_fp32']:.3f})")
-    return "\n".join(lines)
-
-
 def enforce(result: dict, what: str) -> None:
+    from .report import verify_summary
+
     if not result["passed"]:
         failed = [c["level"] for c in result["checks"] if not c["passed"]]
         raise VerificationError(f"{what} failed verification ({', '.join(failed)}):\n"
-                                f"{summary(result)}")
+                                f"{verify_summary(result)}")

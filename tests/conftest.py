@@ -1,14 +1,26 @@
-"""Tiny random Hugging Face models built with transformers in the tests, and a tokenizer to match.
+"""Tiny random Hugging Face models built with transformers in the tests, a tokenizer to match,
+and the exports several tests read.
 
-Everything here is built offline on the CPU; sizes are small enough for a 2-core CI machine.
+Everything here is built offline on the CPU; sizes are small enough for a 2-core CI machine. The
+suite runs in two processes (pytest-xdist, `bash run.sh test`): the tiny models and the shared
+exports are made once, by whichever process asks first, in a folder both see, under a file lock.
+A test that needs an export of its own makes it; one that only reads an export asks `exported`.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+
 import pytest
 import torch
+from filelock import FileLock
 
+import edgellm
 from edgellm.numerics import compare
+
+SIZES = dict(max_seq_len=16, max_context_len=32)  # every tiny export's, unless a test says
 
 CORPUS = ["the quick brown fox jumps over the lazy dog", "hello world from a tiny model",
           "edge devices run small language models", "one two three four five six seven"] * 20
@@ -37,12 +49,12 @@ def make_tokenizer(folder):
     return tok.get_vocab_size()
 
 
-def tiny_lfm2_config(vocab):
+def tiny_lfm2_config(vocab, layers: int = 4):
     from transformers import Lfm2Config
 
     return Lfm2Config(vocab_size=vocab, hidden_size=64, intermediate_size=128,
-                      num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                      layer_types=["conv", "full_attention", "conv", "full_attention"],
+                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                      layer_types=["conv", "full_attention"] * (layers // 2),
                       max_position_embeddings=256, block_auto_adjust_ff_dim=False,
                       bos_token_id=0, eos_token_id=1, pad_token_id=1)
 
@@ -113,18 +125,66 @@ def save_model(config, folder):
     return model
 
 
+def pytest_collection_modifyitems(items):
+    """Tests marked `heavy` (a real-size model) first: in two processes, a long test at the end
+    of the list would run alone."""
+    items.sort(key=lambda item: item.get_closest_marker("heavy") is None)
+
+
 @pytest.fixture(scope="session")
-def tiny_models(tmp_path_factory):
+def shared_dir(tmp_path_factory):
+    """A folder every test process of this run sees (pytest-xdist's workers share the parent of
+    their base temporary folders)."""
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared"
+    root.mkdir(exist_ok=True)
+    return root
+
+
+def made_once(path, make) -> None:
+    """Run make() unless `path` was made already, by this process or another."""
+    with FileLock(f"{path}.lock"):
+        if not (path / ".done").exists():
+            make()
+            (path / ".done").write_text("")
+
+
+@pytest.fixture(scope="session")
+def tiny_models(shared_dir):
     """{arch: (folder, transformers model)} for a mixed conv/attention LFM2, a Llama, a Qwen2
     and a Qwen3."""
-    root = tmp_path_factory.mktemp("models")
-    vocab = make_tokenizer(root / "tok")
-    out = {}
-    for arch, make in (("lfm2", tiny_lfm2_config), ("llama", tiny_llama_config),
-                       ("qwen2", tiny_qwen2_config), ("qwen3", tiny_qwen3_config)):
-        folder = root / arch
-        out[arch] = (folder, save_model(make(vocab), folder))
-    return out
+    from transformers import AutoModelForCausalLM
+
+    root = shared_dir / "models"
+    makers = (("lfm2", tiny_lfm2_config), ("llama", tiny_llama_config),
+              ("qwen2", tiny_qwen2_config), ("qwen3", tiny_qwen3_config))
+
+    def make():
+        vocab = make_tokenizer(root / "tok")
+        for arch, config in makers:
+            save_model(config(vocab), root / arch)
+        save_model(tiny_lfm2_config(vocab, layers=2), root / "lfm2-2")  # test_patches.py
+
+    root.mkdir(exist_ok=True)
+    made_once(root, make)
+    return {arch: (root / arch, AutoModelForCausalLM.from_pretrained(root / arch).eval())
+            for arch, _ in makers}
+
+
+@pytest.fixture(scope="session")
+def exported(tiny_models, shared_dir):
+    """exported(arch, **options) -> (folder, report): a tiny model's export (XNNPACK, SIZES,
+    verified, with an ETRecord unless the options say otherwise), made once for every test
+    that asks for the same options. Read it; never write into its folder."""
+    def export(arch: str, **options):
+        options = {"backends": "xnnpack", "etrecord": True, **SIZES, **options}
+        key = hashlib.sha256(json.dumps(options, sort_keys=True).encode()).hexdigest()[:12]
+        folder = shared_dir / "exports" / f"{arch}-{key}"
+        folder.parent.mkdir(exist_ok=True)
+        made_once(folder, lambda: edgellm.export(tiny_models[arch][0], output=folder,
+                                                 force=True, quiet=True, **options))
+        return folder, json.loads((folder / "report.json").read_text())
+    return export
 
 
 @pytest.fixture(scope="session")

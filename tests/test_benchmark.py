@@ -6,15 +6,12 @@ import os
 import subprocess
 import sys
 
-import edgellm
 from edgellm.cli import main
 
 
-def test_bench_prints_a_table_and_one_json_line(tiny_models, tmp_path, capsys):
-    edgellm.export(tiny_models["llama"][0], output=tmp_path / "x", backends="xnnpack",
-                   max_seq_len=32, max_context_len=64, verify=False, quiet=True)
-    report = json.loads((tmp_path / "x" / "report.json").read_text())
-    assert main(["bench", str(tmp_path / "x"), "--prompt-lengths", "8,16", "--steps", "4",
+def test_bench_prints_a_table_and_one_json_line(exported, capsys):
+    folder, report = exported("llama")
+    assert main(["bench", str(folder), "--prompt-lengths", "8,16", "--steps", "4",
                  "--repeats", "1"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     r = json.loads(lines[-1])
@@ -30,32 +27,28 @@ def test_bench_prints_a_table_and_one_json_line(tiny_models, tmp_path, capsys):
     assert r["peak_rss_mb"] > 0
 
 
-def test_weight_bytes_count_shared_storage_once(tiny_models, tmp_path):
+def test_weight_bytes_count_shared_storage_once(tiny_models, exported):
     """The tiny Llama is untied: its table is gathered a row at a time, its head read whole."""
-    folder, hf = tiny_models["llama"]
-    report = edgellm.export(folder, output=tmp_path / "x", backends="xnnpack", max_seq_len=8,
-                            verify=False, quiet=True)
+    hf = tiny_models["llama"][1]
+    report = exported("llama")[1]
     params = sum(p.numel() * 4 for p in hf.parameters())
     embed = hf.model.embed_tokens.weight
     assert report["weight_bytes_per_token"] == params - embed.numel() * 4 + embed.shape[1] * 4
 
 
-def test_bench_refuses_prompts_longer_than_the_cache(tiny_models, tmp_path, capsys):
-    edgellm.export(tiny_models["llama"][0], output=tmp_path / "x", backends="xnnpack",
-                   max_seq_len=8, verify=False, quiet=True)
-    assert main(["bench", str(tmp_path / "x"), "--prompt-lengths", "64"]) == 2
-    assert "exceeds max_context_len 8" in capsys.readouterr().err
+def test_bench_refuses_prompts_longer_than_the_cache(exported, capsys):
+    assert main(["bench", str(exported("llama")[0]), "--prompt-lengths", "64"]) == 2
+    assert "exceeds max_context_len 32" in capsys.readouterr().err
 
 
-def test_bench_runs_programs_with_one_thread_per_openmp_team(tiny_models, tmp_path):
+def test_bench_runs_programs_with_one_thread_per_openmp_team(exported):
     """`edgellm bench` (its own process) sets OMP_NUM_THREADS=1 before torch loads OpenMP, unless
     the user set it; the figures say which (edgellm/openmp.py)."""
-    edgellm.export(tiny_models["llama"][0], output=tmp_path / "x", backends="xnnpack",
-                   max_seq_len=8, verify=False, quiet=True)
+    folder = exported("llama")[0]
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     for setting, expected in ((None, "1"), ("2", "2")):
         run_env = env if setting is None else {**env, "OMP_NUM_THREADS": setting}
-        out = subprocess.run([sys.executable, "-m", "edgellm.cli", "bench", str(tmp_path / "x"),
+        out = subprocess.run([sys.executable, "-m", "edgellm.cli", "bench", str(folder),
                               "--prompt-lengths", "4", "--steps", "2", "--repeats", "1"],
                              env=run_env, capture_output=True, text=True, check=True).stdout
         assert json.loads(out.strip().splitlines()[-1])["omp_num_threads"] == expected

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from edgellm.cli import main
+from edgellm.cli import build_parser, main
 
 
 def test_models_lists_architectures_and_backends(capsys):
@@ -28,7 +28,38 @@ def test_bad_input_is_one_line_and_exit_code_2(tmp_path, capsys):
 def test_unknown_override_key_suggests_the_right_one(tmp_path, capsys):
     assert main(["export", "max_seq_lne=8", "-o", str(tmp_path / "o")]) == 2
     assert "Did you mean 'max_seq_len'?" in capsys.readouterr().err
+    assert main(["export", "coreml.min_iso=17", "--backend", "coreml"]) == 2
+    assert "unknown key 'coreml.min_iso'. Did you mean 'coreml.min_ios'?" in \
+        capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_a_misspelt_flag_gets_the_nearest_one(capsys):
+    with pytest.raises(SystemExit):
+        main(["export", "--max-seq-lenght", "8"])
+    err = capsys.readouterr().err
+    assert "unrecognized arguments: --max-seq-lenght" in err
+    assert "(did you mean --max-seq-len?)" in err
+
+
+def test_every_export_option_is_a_flag_and_a_keyword():
+    """One list of options: ExportConfig's fields are the YAML keys, the keywords of
+    edgellm.export and the flags of `edgellm export` (the model is positional)."""
+    import dataclasses
+
+    from edgellm.cli import export_options, flag_of
+    from edgellm.config import ExportConfig
+
+    fields = {f.name for f in dataclasses.fields(ExportConfig)} - {"backend_options", "model"}
+    assert {f.name for f in export_options()} == fields
+    parser = build_parser()
+    flags = {a.dest: a.option_strings for a in
+             parser._subparsers._group_actions[0].choices["export"]._actions}
+    for name in fields:
+        assert name in flags, name
+    assert flags["backends"] == ["--backend"] and flags["verify"] == ["--no-verify"]
+    assert flags["output"] == ["-o", "--output"] and flags["model_class"] == ["--model-class"]
+    assert flag_of("max_seq_len") in flags["max_seq_len"]
 
 
 def test_missing_model_folder(tmp_path, capsys):
@@ -50,15 +81,12 @@ def test_console_script_is_installed():
     assert "export" in out and "generate" in out
 
 
-def test_generate_refuses_a_prompt_longer_than_max_seq_len(tiny_models, tmp_path, capsys):
-    import edgellm
-
-    folder, _ = tiny_models["llama"]
-    edgellm.export(folder, output=tmp_path / "x", backends="xnnpack", max_seq_len=4, quiet=True)
-    code = main(["generate", str(tmp_path / "x" / "model.pte"), "--prompt",
-                 "the quick brown fox jumps over the lazy dog"])
+def test_generate_refuses_a_prompt_longer_than_max_seq_len(exported, capsys):
+    folder, _ = exported("llama")
+    code = main(["generate", str(folder / "model.pte"), "--prompt",
+                 "the quick brown fox jumps over the lazy dog " * 2])
     assert code == 2
-    assert "this program takes at most max_seq_len=4" in capsys.readouterr().err
+    assert "this program takes at most max_seq_len=16" in capsys.readouterr().err
 
 
 def test_a_library_failure_is_one_line_exit_3_and_leaves_nothing(tiny_models, tmp_path, capsys,

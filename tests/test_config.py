@@ -4,8 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from edgellm import resolve_config
-from edgellm.config import apply_overrides, from_dict, parse_override
+from edgellm.config import apply_overrides, from_dict, parse_override, resolve_config
 from edgellm.errors import ConfigError
 
 
@@ -16,7 +15,7 @@ def test_every_problem_is_reported_at_once():
     text = str(e.value)
     assert "unknown key 'max_seq_lenn'. Did you mean 'max_seq_len'?" in text
     assert "dtype: 'int3' is not one of fp32, fp16, bf16" in text
-    assert "unknown key 'coreml.precison'. Did you mean 'precision'?" in text
+    assert "unknown key 'coreml.precison'. Did you mean 'coreml.precision'?" in text
     assert "coreml.state: 'coreml' needs min_ios 18" in text
     assert len(e.value.problems) == 4
 
@@ -72,3 +71,9 @@ def test_override_round_trip(path, value):
     for part in path[:-1]:
         node = node[part]
     assert node[path[-1]] == value
+
+
+def test_a_misspelt_keyword_of_the_python_api_gets_the_nearest_field():
+    with pytest.raises(ConfigError, match=r"unknown key 'max_seq_lenght'\. Did you mean "
+                                          r"'max_seq_len'\?"):
+        resolve_config(None, max_seq_lenght=4)

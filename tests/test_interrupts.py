@@ -13,10 +13,10 @@ import edgellm
 
 
 def start_export(folder, out):
-    """The CLI in a child process, stopped once lowering has begun (the export stage line)."""
+    """The CLI in a child process, once its export stage has ended (lowering begins)."""
     child = subprocess.Popen(
         [sys.executable, "-m", "edgellm.cli", "export", str(folder), "-o", str(out),
-         "--backend", "xnnpack", "--max-seq-len", "16", "--no-verify"],
+         "--backend", "coreml", "--max-seq-len", "16", "--no-verify"],
         stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     for line in child.stderr:
         if line.startswith("[edgellm] export"):
@@ -48,7 +48,7 @@ def test_killed_export_is_cleaned_up_by_the_next_one(tiny_models, tmp_path):
     assert not out.exists()
     [stale] = leftovers(out)
     assert stale.startswith(f".o.partial-{child.pid}-")
-    edgellm.export(tiny_models["llama"][0], output=out, backends="xnnpack", max_seq_len=16,
+    edgellm.export(tiny_models["llama"][0], output=out, backends="coreml", max_seq_len=16,
                    verify=False, quiet=True)
     assert (out / "model.pte").is_file() and leftovers(out) == []
 
@@ -57,6 +57,6 @@ def test_a_running_exports_folder_is_left_alone(tiny_models, tmp_path):
     out = tmp_path / "o"
     alive = tmp_path / f".o.partial-{os.getpid()}-abc"  # this test process is alive
     alive.mkdir()
-    edgellm.export(tiny_models["llama"][0], output=out, backends="xnnpack", max_seq_len=16,
+    edgellm.export(tiny_models["llama"][0], output=out, backends="coreml", max_seq_len=16,
                    verify=False, quiet=True)
     assert alive.is_dir()

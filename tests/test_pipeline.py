@@ -8,24 +8,14 @@ import torch
 import yaml
 
 import edgellm
-from conftest import (assert_logits_close, cached_run, cached_run_one_by_one, reference_run)
+from conftest import (SIZES, assert_logits_close, cached_run, cached_run_one_by_one,
+                      reference_run)
 from edgellm.config import ExportConfig
 from edgellm.runtime import Program
 
 
-@pytest.fixture(scope="session")
-def xnnpack_exports(tiny_models, tmp_path_factory):
-    root = tmp_path_factory.mktemp("exports")
-    out = {}
-    for arch, (folder, _) in tiny_models.items():
-        report = edgellm.export(folder, output=root / arch, backends="xnnpack", max_seq_len=32,
-                                max_context_len=64, etrecord=True, quiet=True)
-        out[arch] = (root / arch, report)
-    return out
-
-
 @pytest.mark.parametrize("arch", ["lfm2", "llama", "qwen2", "qwen3"])
-def test_parity_ladder(tiny_models, prompt_ids, xnnpack_exports, arch):
+def test_parity_ladder(tiny_models, prompt_ids, exported, arch):
     """transformers -> our eager model -> exported program -> XNNPACK .pte in the runtime."""
     from edgellm.backends import Plan, get_backend
     from edgellm.capture import export_forward
@@ -34,14 +24,13 @@ def test_parity_ladder(tiny_models, prompt_ids, xnnpack_exports, arch):
     _, hf = tiny_models[arch]
     tokens, expected = reference_run(hf, prompt_ids, steps=9)  # prefill + 8 decode calls
     plan = Plan((get_backend("xnnpack"),), (None,))
-    opts = plan.model_options(ExportConfig(max_context_len=64))
+    opts = plan.model_options(ExportConfig(**SIZES))
     model = build_model(hf.config, hf.state_dict(), opts, torch.float32)
     with torch.no_grad():
         eager = cached_run(model, prompt_ids, tokens)
-        exported = export_forward(model, 32, dynamic=True).module()
-        program = cached_run(exported, prompt_ids, tokens)
-    runtime = cached_run(Program(xnnpack_exports[arch][0] / "model.pte").forward, prompt_ids,
-                         tokens)
+        graph = export_forward(model, SIZES["max_seq_len"], dynamic=True).module()
+        program = cached_run(graph, prompt_ids, tokens)
+    runtime = cached_run(Program(exported(arch)[0] / "model.pte").forward, prompt_ids, tokens)
     for what, logits in (("eager", eager), ("exported", program), ("xnnpack .pte", runtime)):
         assert_logits_close(logits, expected, atol=1e-4, what=f"{arch} {what}")
 
@@ -54,17 +43,14 @@ def test_a_model_without_tokenizer_is_said_at_export(tiny_models, tmp_path, caps
     shutil.copytree(tiny_models["llama"][0], folder)
     for tok in folder.glob("tokenizer*"):
         tok.unlink()
-    report = edgellm.export(folder, output=tmp_path / "o", backends="portable", max_seq_len=8,
+    report = edgellm.export(folder, output=tmp_path / "o", backends="coreml", max_seq_len=8,
                             verify=False)
     assert "tokenizer" not in report["files"] and (tmp_path / "o" / "model.pte").is_file()
     assert "no tokenizer ships beside model.pte" in capsys.readouterr().err
-    edgellm.export(tiny_models["llama"][0], output=tmp_path / "t", backends="portable",
-                   max_seq_len=8, verify=False)
-    assert "no tokenizer" not in capsys.readouterr().err
 
 
-def test_outputs_and_report(xnnpack_exports):
-    folder, report = xnnpack_exports["lfm2"]
+def test_outputs_and_report(exported):
+    folder, report = exported("lfm2")
     names = {p.name for p in folder.iterdir()}
     assert {"model.pte", "tokenizer.json", "report.json", "report.md", "config.yaml",
             "etrecord.bin"} <= names
@@ -89,37 +75,40 @@ def test_outputs_and_report(xnnpack_exports):
     assert "| forward |" in (folder / "report.md").read_text()
 
 
-def test_metadata_methods_follow_the_runner(xnnpack_exports, tiny_models):
-    folder, _ = xnnpack_exports["llama"]
+def test_metadata_methods_follow_the_runner(exported, tiny_models):
+    folder, _ = exported("llama")
     program = Program(folder / "model.pte")
     hf = tiny_models["llama"][1]
-    assert program.meta == {"get_max_seq_len": 32, "get_max_context_len": 64,
+    assert program.meta == {"get_max_seq_len": 16, "get_max_context_len": 32,
                             "get_vocab_size": hf.config.vocab_size, "get_n_layers": 2,
                             "get_bos_id": 0, "get_eos_ids": [1], "use_kv_cache": True,
                             "enable_dynamic_shape": True}
 
 
-def test_config_yaml_replays_the_export(xnnpack_exports, tmp_path):
-    folder, report = xnnpack_exports["llama"]
+def test_config_yaml_replays_the_export_with_or_without_verification(exported, tmp_path):
+    """The replay (without verification, whose eager runs leave caches written) gives the same
+    bytes: the export is deterministic and verification changes no program."""
+    folder, report = exported("llama")
     saved = yaml.safe_load((folder / "config.yaml").read_text())
-    assert saved["max_seq_len"] == 32 and saved["backends"] == ["xnnpack"]
-    replay = edgellm.export(config=folder / "config.yaml", output=tmp_path / "again", quiet=True)
+    assert saved["max_seq_len"] == 16 and saved["backends"] == ["xnnpack"] and saved["verify"]
+    replay = edgellm.export(config=folder / "config.yaml", output=tmp_path / "again", quiet=True,
+                            verify=False, etrecord=False)
     assert (tmp_path / "again" / "model.pte").read_bytes() == (folder / "model.pte").read_bytes()
-    assert replay["methods"] == report["methods"]
+    assert replay["methods"] == report["methods"] and "verify" not in replay
 
 
-def test_existing_output_is_not_overwritten_without_force(xnnpack_exports):
-    folder, _ = xnnpack_exports["llama"]
+def test_existing_output_is_not_overwritten_without_force(exported):
+    folder, _ = exported("llama")
     before = (folder / "model.pte").stat().st_mtime_ns
     with pytest.raises(edgellm.InputError, match="already exists. Pass --force"):
         edgellm.export(config=folder / "config.yaml", output=folder, quiet=True)
     assert (folder / "model.pte").stat().st_mtime_ns == before
 
 
-def test_generate_streams_greedy_text(xnnpack_exports, tiny_models, prompt_ids):
+def test_generate_streams_greedy_text(exported, tiny_models, prompt_ids):
     from tokenizers import Tokenizer
 
-    folder, _ = xnnpack_exports["lfm2"]
+    folder, _ = exported("lfm2")
     pieces = []
     text = edgellm.generate(folder / "model.pte", "the quick brown fox jumps over the lazy", n=6,
                             on_text=pieces.append)
@@ -130,27 +119,25 @@ def test_generate_streams_greedy_text(xnnpack_exports, tiny_models, prompt_ids):
     assert text == tok.decode(expected) and "".join(pieces) == text
 
 
-def test_portable_program_fed_one_token_per_call(tiny_models, prompt_ids, tmp_path):
+def test_portable_program_fed_one_token_per_call(tiny_models, prompt_ids, exported):
     """No delegate at all, and the prompt fed a token per call as static-shape programs are."""
-    folder, hf = tiny_models["lfm2"]
-    edgellm.export(folder, output=tmp_path / "p", backends="portable", max_seq_len=32,
-                   quiet=True)
-    tokens, expected = reference_run(hf, prompt_ids)
-    program = Program(tmp_path / "p" / "model.pte")
+    folder, report = exported("lfm2", backends="portable")
+    assert report["files"]["etrecord"] == "etrecord.bin"  # written for every backend
+    tokens, expected = reference_run(tiny_models["lfm2"][1], prompt_ids)
+    program = Program(folder / "model.pte")
     assert program.dynamic
     actual = cached_run_one_by_one(program.forward, prompt_ids, tokens)
     assert_logits_close(actual, expected, atol=1e-4, what="portable")
 
 
-@pytest.mark.parametrize("arch", ["lfm2", "llama"])
-def test_prefill_method_shares_state_with_forward(tiny_models, prompt_ids, tmp_path, arch):
+def test_prefill_method_shares_state_with_forward(tiny_models, prompt_ids, exported):
     """prefill takes the prompt in chunks of 4 (the rest goes one token at a time through
-    forward), then forward decodes from the KV cache and conv state prefill left behind."""
-    folder, hf = tiny_models[arch]
-    report = edgellm.export(folder, output=tmp_path / "p", backends="xnnpack", max_seq_len=16,
-                            prefill_chunk=4, quiet=True)
+    forward), then forward decodes from the KV cache and conv state prefill left behind (LFM2:
+    both kinds of state)."""
+    arch, hf = "lfm2", tiny_models["lfm2"][1]
+    folder, report = exported(arch, prefill_chunk=4, etrecord=False, verify=False)
     assert set(report["methods"]) == {"forward", "prefill"}
-    program = Program(tmp_path / "p" / "model.pte")
+    program = Program(folder / "model.pte")
     assert program.chunk == 4 and len(prompt_ids) % 4 != 0  # both paths of prefill() run
     tokens, expected = reference_run(hf, prompt_ids, steps=5)
     actual = [program.prefill(prompt_ids)[0]]
@@ -176,26 +163,16 @@ def test_impossible_combinations_are_refused_before_any_work(tiny_models, tmp_pa
     assert not (tmp_path / "x").exists()
 
 
-def test_positions_past_the_context_are_refused(xnnpack_exports):
-    program = Program(xnnpack_exports["llama"][0] / "model.pte")
-    with pytest.raises(edgellm.InputError, match=r"positions 60\.\.67: .* max_context_len 64"):
-        program.forward(torch.zeros(1, 8, dtype=torch.long), torch.tensor([60]))
+def test_positions_past_the_context_are_refused(exported):
+    program = Program(exported("llama")[0] / "model.pte")
+    with pytest.raises(edgellm.InputError, match=r"positions 28\.\.35: .* max_context_len 32"):
+        program.forward(torch.zeros(1, 8, dtype=torch.long), torch.tensor([28]))
 
 
-def test_fp16_program_stays_close(tiny_models, prompt_ids, tmp_path):
-    folder, hf = tiny_models["llama"]
-    edgellm.export(folder, output=tmp_path / "h", backends="xnnpack", dtype="fp16",
-                   max_seq_len=32, quiet=True)
-    tokens, expected = reference_run(hf, prompt_ids, steps=9)
-    logits = cached_run(Program(tmp_path / "h" / "model.pte").forward, prompt_ids, tokens)
+def test_fp16_program_stays_close(tiny_models, prompt_ids, exported):
+    folder, report = exported("llama", dtype="fp16", etrecord=False)
+    assert report["verify"]["passed"]
+    tokens, expected = reference_run(tiny_models["llama"][1], prompt_ids, steps=9)
+    logits = cached_run(Program(folder / "model.pte").forward, prompt_ids, tokens)
     assert logits.dtype == torch.float16
     assert_logits_close(logits.float(), expected, atol=5e-3, what="fp16 xnnpack")
-
-
-@pytest.mark.parametrize("backend", ["coreml", "vulkan", "portable"])
-def test_etrecord_is_written_for_every_backend(tiny_models, tmp_path, backend):
-    folder, _ = tiny_models["llama"]
-    report = edgellm.export(folder, output=tmp_path / backend, backends=backend, max_seq_len=8,
-                            etrecord=True, quiet=True)
-    assert report["files"]["etrecord"] == "etrecord.bin"
-    assert (tmp_path / backend / "etrecord.bin").stat().st_size > 0

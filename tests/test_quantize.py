@@ -1,7 +1,7 @@
-"""Quantization recipes on tiny models: the program runs (XNNPACK) or lowers (Core ML) with
-quantized weights, its report holds what the recipe costs against the float model (SQNR, top-1,
-perplexity along the shipped text), within the recipe's stated bounds; impossible combinations are
-refused before any work."""
+"""Quantization (edgellm/quantize/): recipes on tiny models, whose program runs (XNNPACK) or lowers
+(Core ML) with quantized weights and whose report holds what the recipe costs against the float
+model (SQNR, top-1, perplexity along the shipped text), within the recipe's stated bounds;
+impossible combinations refused before any work; the plan; a GGUF's grids kept exactly."""
 
 import dataclasses
 import shutil
@@ -11,10 +11,11 @@ import pytest
 import torch
 
 import edgellm
+from conftest import SIZES
 from edgellm.config import ExportConfig
-from edgellm.quantize import GRID_BLOCK, accuracy_bounds, block_grid, quantize
-
-SIZES = dict(max_seq_len=16, max_context_len=32)
+from edgellm.quantize import accuracy_bounds, quantize
+from edgellm.quantize.grid import GRID_BLOCK, block_grid
+from edgellm.quantize.plan import plan
 
 
 def cost_of(report):
@@ -22,16 +23,12 @@ def cost_of(report):
     return checks, checks["quantization"]
 
 
-@pytest.mark.parametrize("recipe, group, embedding", [
-    ("8da4w", 32, None), ("8da4w", 0, None), ("8da8w", None, None), ("8da4w", 32, "4,32"),
-    (None, None, "8")])
-def test_xnnpack_recipe_runs_and_reports_its_accuracy(tiny_models, tmp_path, recipe, group,
+@pytest.mark.parametrize("recipe, group, embedding", [("8da4w", 32, "4,32"), ("8da8w", None, "8")])
+def test_xnnpack_recipe_runs_and_reports_its_accuracy(tiny_models, exported, recipe, group,
                                                       embedding):
-    folder = tiny_models["lfm2"][0]
-    fp32 = edgellm.export(folder, output=tmp_path / "f", backends="xnnpack", verify=False,
-                          quiet=True, **SIZES)
-    report = edgellm.export(folder, output=tmp_path / "q", backends="xnnpack", quantize=recipe,
-                            group_size=group, embedding_quantize=embedding, quiet=True, **SIZES)
+    fp32 = exported("llama")[1]
+    folder, report = exported("llama", quantize=recipe, group_size=group,
+                              embedding_quantize=embedding)
     checks, cost = cost_of(report)
     assert list(checks) == ["rewrite", "program", "quantization"] and report["verify"]["passed"]
     bounds = accuracy_bounds(ExportConfig(quantize=recipe, embedding_quantize=embedding))
@@ -41,17 +38,17 @@ def test_xnnpack_recipe_runs_and_reports_its_accuracy(tiny_models, tmp_path, rec
     ppl = report["verify"]["perplexity"]
     assert ppl["tokens"] == 32 and 1 < ppl["program"] < 2 * ppl["transformers_fp32"]
     assert 0.5 <= ppl["top1_vs_fp32"] <= 1
-    if recipe:
-        bits = 4 if recipe == "8da4w" else 8
-        assert report["weight_bytes_per_token"] < fp32["weight_bytes_per_token"] * (bits + 8) / 32
+    bits = 4 if recipe == "8da4w" else 8
+    assert report["weight_bytes_per_token"] < fp32["weight_bytes_per_token"] * (bits + 8) / 32
     if embedding:  # the table (vocab x 64, fp32) is stored in 8 or 4 bits, plus scales
-        table = 4 * 64 * tiny_models["lfm2"][1].vocab_size
+        table = 4 * 64 * tiny_models["llama"][1].vocab_size
         saved = fp32["pte_bytes"] - report["pte_bytes"]
         assert saved > table * (0.7 if embedding == "8" else 0.8)
         kernel = b"embedding_byte" if embedding == "8" else b"embedding_4bit"
-        assert kernel in (tmp_path / "q" / "model.pte").read_bytes()  # the operator table
-    assert [s["name"] for s in report["stages"]].count("quantize") == 1
-    md = (tmp_path / "q" / "report.md").read_text()
+        assert kernel in (folder / "model.pte").read_bytes()  # the operator table
+    names = [s["name"] for s in report["stages"]]
+    assert names.count("quantize") == 1 and names.index("quantize") < names.index("expected")
+    md = (folder / "report.md").read_text()
     assert "quantization: ok" in md and "perplexity:" in md
 
 
@@ -114,11 +111,12 @@ def test_bounds_of_a_combined_recipe_are_the_looser_ones_loosened():
 
 def test_linears_a_group_does_not_divide_are_reported_and_named(tiny_models, tmp_path, capsys):
     """The tiny Llama's hidden size is 64: with group 128 only down_proj (input 128) is 4-bit,
-    as in export_llm; the export says so instead of shipping a mostly-float program quietly."""
-    report = edgellm.export(tiny_models["llama"][0], output=tmp_path / "q", backends="xnnpack",
-                            quantize="8da4w", group_size=128, verify=False, **SIZES)
+    as in export_llm; the export says so instead of shipping a mostly-float program quietly
+    (Core ML's writing of the Llama: the same linears, a cheaper lowering)."""
+    report = edgellm.export(tiny_models["llama"][0], output=tmp_path / "q", backends="coreml",
+                            quantize="4w", group_size=128, verify=False, **SIZES)
     q = report["quantization"]
-    assert q["recipe"] == "8da4w" and q["group_size"] == 128 and q["embeddings"] is None
+    assert q["recipe"] == "4w" and q["group_size"] == 128 and q["embeddings"] is None
     assert q["linears_quantized"] == 2 and "bytes_saved" not in q
     assert len(q["linears_left_float"]) == 13 and "lm_head" in q["linears_left_float"]
     err = capsys.readouterr().err
@@ -282,29 +280,26 @@ def gridded(tiny_models, tmp_path, monkeypatch, arch: str = "llama") -> Path:
     return folder
 
 
-@pytest.mark.parametrize("backend, recipe, margin", [("xnnpack", "8da4w", 6),
-                                                     ("coreml", "4w", 15)])
-def test_a_gguf_grid_survives_into_the_program(tiny_models, tmp_path, monkeypatch, backend,
-                                               recipe, margin):
-    """A 4-bit recipe over the gridded Llama keeps the file's grid (Core ML's build then leaves
-    the norms unfolded: folded, no block would stay on it), verify passes, and the program (the
-    exported graph for Core ML) is closer to fp32 than the same weights requantized at group 64:
-    XNNPACK by over 6 dB (its 8-bit activations stay), Core ML by over 15 (50.8 against 28.1 dB;
-    what is left is the 8-bit head). `edgellm verify` on the folder gives the export's figures."""
+def test_a_gguf_grid_survives_into_the_exported_graph(tiny_models, tmp_path, monkeypatch):
+    """Core ML's 4w over the gridded Llama keeps the file's grid (its build then leaves the
+    norms unfolded: folded, no block would stay on it), verify passes, and the exported graph is
+    closer to fp32 than the same weights requantized at group 64 by over 15 dB (what is left is
+    the 8-bit head). `edgellm verify` on the folder gives the export's figures. XNNPACK's program
+    from a real K-quant GGUF: test_sources.py."""
     from edgellm.verification import verify
 
     folder = gridded(tiny_models, tmp_path, monkeypatch)
     reports = {}
     for group in (None, 64):
-        reports[group] = edgellm.export(folder, output=tmp_path / f"q{group}", backends=backend,
-                                        quantize=recipe, group_size=group, quiet=True, **SIZES)
+        reports[group] = edgellm.export(folder, output=tmp_path / f"q{group}", backends="coreml",
+                                        quantize="4w", group_size=group, quiet=True, **SIZES)
     q = reports[None]["quantization"]
     assert (q["group_size"], q["linears_on_source_grid"], q["linears_at_8_bits"]) == \
         (32, 14, ["lm_head"])
     assert reports[64]["quantization"]["linears_on_source_grid"] == 0
     assert reports[None]["verify"]["passed"]
     kept, requantized = (cost_of(reports[g])[1] for g in (None, 64))
-    assert kept["sqnr_db"] > requantized["sqnr_db"] + margin
+    assert kept["sqnr_db"] > requantized["sqnr_db"] + 15
     assert verify(tmp_path / "qNone")["checks"] == reports[None]["verify"]["checks"]
 
 
@@ -312,13 +307,18 @@ def test_lfm2s_split_conv_projection_keeps_the_file_grid(tiny_models, tmp_path, 
     """LFM2's conv in_proj is loaded as three linears (B, C, x: rows of it); each keeps the grid
     the file stored in_proj on. Tiny LFM2: 2 conv layers x 4 linears, 2 attention layers x 4,
     4 feed-forwards x 3 = 28 on the grid (22 if B, C and x lost in_proj's storage type)."""
+    from edgellm.architectures import build_model
+    from edgellm.backends import plan_for
+    from edgellm.sources import load_source
+
     folder = gridded(tiny_models, tmp_path, monkeypatch, "lfm2")
-    report = edgellm.export(folder, output=tmp_path / "o", backends="xnnpack", quantize="8da4w",
-                            quiet=True, **SIZES)
-    q = report["quantization"]
+    cfg = ExportConfig(quantize="8da4w", **SIZES)
+    source = load_source(str(folder))
+    model = build_model(source.hf_config, source.state_dict,
+                        plan_for(cfg).model_options(cfg, source.stored_types), torch.float32)
+    q = quantize(model, cfg, source.stored_types).report()
     assert (q["group_size"], q["linears_on_source_grid"], q["linears_at_8_bits"]) == \
         (32, 28, ["lm_head"])
-    assert report["verify"]["passed"]
 
 
 @pytest.mark.parametrize("recipe", ["8da4w", "4w"])
@@ -364,3 +364,41 @@ def test_core_ml_writes_the_model_apart_only_where_a_grid_is_kept():
     for fields, stored, rewritten in cases:
         opts = plan.model_options(ExportConfig(backends=("coreml",), **fields), stored)
         assert (opts.fold_norms, opts.fuse_qk) == (rewritten, rewritten), (fields, stored)
+
+
+@pytest.mark.parametrize("recipe, group", [("8da4w", 0), ("4w", 0), ("8w", 0), ("8da4w", 32)])
+def test_each_recipe_quantizes_a_linear_as_its_plan_says(recipe, group):
+    """Per channel (group 0: one scale per row) and group-wise, dynamic and weight-only: the
+    weight becomes torchao's quantized tensor with the plan's bits and block, close to it."""
+    from torch import nn
+
+    model = nn.Module()
+    model.proj = nn.Linear(64, 16)
+    weight = model.proj.weight.detach().clone()
+    done = quantize(model, ExportConfig(quantize=recipe, group_size=group))
+    bits = 4 if "4" in recipe else 8
+    q = model.proj.weight
+    assert done.linears_quantized == 1 and done.group_size == group
+    assert -(2 ** (bits - 1)) <= int(q.qdata.min()) and int(q.qdata.max()) < 2 ** (bits - 1)
+    assert q.block_size == ((1, 64) if group == 0 else (1, group))
+    step = weight.abs().amax() / (2 ** (bits - 1) - 1)  # the coarsest a row's grid can be
+    assert (q.dequantize() - weight).abs().max() <= 1.5 * step  # HQQ may trade a little
+
+
+def test_the_plan_says_what_each_linear_gets_before_any_weight_changes():
+    """A Q4_1 linear on the file's grid at group 32, a Q8_0 one (spared by the file) at 8 bits
+    per channel, one the group does not divide left in float; the weights are untouched."""
+    from torch import nn
+
+    model = nn.Module()
+    model.q4, model.q8, model.odd = nn.Linear(64, 32), nn.Linear(64, 32), nn.Linear(48, 32)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    todo = plan(model, ExportConfig(quantize="8da4w"),
+                {"q4.weight": "Q4_1", "q8.weight": "Q8_0", "odd.weight": "Q4_1"})
+    assert todo.linears == {"q4": (4, 32), "q8": (8, 0)} and todo.grids == ["q4"]
+    assert (todo.left_float, todo.at_8_bits, todo.group, todo.dynamic) == (["odd"], ["q8"], 32,
+                                                                          True)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    with pytest.raises(edgellm.InputError, match="no linear layer's input width is a multiple "
+                       "of group_size 128"):
+        plan(model, ExportConfig(quantize="8da4w", group_size=128))

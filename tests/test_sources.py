@@ -111,18 +111,18 @@ def write_qwen_gguf(hf, tokenizer_json, path, quantized: dict | None = None) -> 
 
 
 @pytest.mark.parametrize("arch, width", [("qwen2", 16), ("qwen3", 32)])
-def test_qwen_gguf_exports_and_matches_transformers(tiny_models, prompt_ids, tmp_path, arch,
-                                                    width):
-    """The program matches transformers and ships a tokenizer that encodes as the model's own.
-    Qwen3's head width (32, not hidden / heads and not Qwen3Config's default 128) comes from the
-    file's attention.key_length, which transformers' GGUF config map leaves out; Qwen2's q/k/v
-    biases come through as GGUF `.bias` tensors."""
+def test_qwen_gguf_loads_and_matches_transformers(tiny_models, prompt_ids, tmp_path, arch,
+                                                  width):
+    """The model read from a GGUF matches transformers, and its tokenizer (the one verification
+    reads and the tokenizer.json that ships) encodes as the model's own. Qwen3's head width (32,
+    not hidden / heads and not Qwen3Config's default 128) comes from the file's
+    attention.key_length, which transformers' GGUF config map leaves out; Qwen2's q/k/v biases
+    come through as GGUF `.bias` tensors. The XNNPACK program from a GGUF: the Q4_K test below."""
     from tokenizers import Tokenizer
 
-    import edgellm
     from conftest import PROMPT, assert_logits_close, cached_run, reference_run
-    from edgellm.runtime import Program
-
+    from edgellm.architectures import build_model
+    from edgellm.architectures.layers import ModelOptions
     from edgellm.architectures.llama import head_dim
 
     folder, hf = tiny_models[arch]
@@ -131,16 +131,15 @@ def test_qwen_gguf_exports_and_matches_transformers(tiny_models, prompt_ids, tmp
     source = load_source(str(gguf_file))
     assert (source.hf_config.model_type, head_dim(source.hf_config)) == (arch, width)
     assert (source.bos_id, source.eos_ids) == (0, (1,))
-    report = edgellm.export(gguf_file, output=tmp_path / "o", backends="xnnpack", max_seq_len=16,
-                            max_context_len=32, quiet=True)
-    assert report["verify"]["passed"] and report["files"]["tokenizer"] == "tokenizer.json"
+    model = build_model(source.hf_config, source.state_dict, ModelOptions(32), torch.float32)
     tokens, expected = reference_run(hf, prompt_ids, steps=4)
-    program = Program(tmp_path / "o" / "model.pte")
-    assert_logits_close(cached_run(program.forward, prompt_ids, tokens), expected, atol=1e-4,
-                        what=f"{arch} from GGUF")
-    shipped = Tokenizer.from_file(str(tmp_path / "o" / "tokenizer.json"))
-    assert shipped.encode(PROMPT).ids == Tokenizer.from_file(
-        str(folder / "tokenizer.json")).encode(PROMPT).ids
+    with torch.no_grad():
+        actual = cached_run(model, prompt_ids, tokens)
+    assert_logits_close(actual, expected, atol=1e-4, what=f"{arch} from GGUF")
+    assert source.write_tokenizer(tmp_path)
+    own = Tokenizer.from_file(str(folder / "tokenizer.json")).encode(PROMPT).ids
+    assert Tokenizer.from_file(str(tmp_path / "tokenizer.json")).encode(PROMPT).ids == own
+    assert source.tokenizer().encode(PROMPT).ids == own
 
 
 def test_a_q4_k_gguf_keeps_its_grid_through_export(tiny_models, prompt_ids, tmp_path):
@@ -158,7 +157,7 @@ def test_a_q4_k_gguf_keeps_its_grid_through_export(tiny_models, prompt_ids, tmp_
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_config(Qwen3Config(
         vocab_size=tiny_models["qwen3"][1].config.vocab_size, hidden_size=256,
-        intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=256, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
         head_dim=64, max_position_embeddings=256, tie_word_embeddings=True, bos_token_id=0,
         eos_token_id=1)).eval()
     quantized = {}
@@ -171,10 +170,10 @@ def test_a_q4_k_gguf_keeps_its_grid_through_export(tiny_models, prompt_ids, tmp_
     gguf_file = tmp_path / "tiny-qwen3-Q4_K.gguf"
     write_qwen_gguf(hf, folder / "tokenizer.json", gguf_file, quantized)
     stored = load_source(str(gguf_file)).stored_types
-    assert stored["model.layers.1.mlp.down_proj.weight"] == "Q4_K" and len(quantized) == 14
+    assert stored["model.layers.0.mlp.down_proj.weight"] == "Q4_K" and len(quantized) == 7
     report = edgellm.export(gguf_file, output=tmp_path / "o", backends="xnnpack",
                             quantize="8da4w", max_seq_len=16, max_context_len=32, quiet=True)
     q = report["quantization"]
     assert (q["group_size"], q["linears_on_source_grid"], q["linears_at_8_bits"]) == \
-        (32, 14, ["lm_head"])  # the F32 table the head is tied to: above 4 bits, so 8
-    assert report["verify"]["passed"]
+        (32, 7, ["lm_head"])  # the F32 table the head is tied to: above 4 bits, so 8
+    assert report["verify"]["passed"] and report["files"]["tokenizer"] == "tokenizer.json"

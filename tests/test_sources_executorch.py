@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from conftest import assert_logits_close, cached_run, reference_run
-from edgellm.architectures import build_model
+from edgellm.architectures import build_model, every
 from edgellm.architectures.layers import ModelOptions
+from edgellm.architectures.registry import REFUSED_CLASSES
 from edgellm.errors import InputError
-from edgellm.sources.executorch import (MODEL_CLASSES, UNSUPPORTED_CLASSES,
-                                        hf_config_from_params, load_executorch)
+from edgellm.sources.executorch import hf_config_from_params, load_executorch
 
 REFERENCE_PARAMS = Path(__file__).parent / "data" / "executorch-lfm2-params"
 
@@ -190,8 +190,9 @@ def test_every_modelargs_field_at_its_default_is_accepted():
         default = f.default_factory() if f.default is dataclasses.MISSING else f.default
         params = {**base, f.name: getattr(default, "value", default)} | base
         assert hf_config_from_params(params, "llama3_2").hidden_size == 64, f.name
-    assert set(MODEL_CLASSES) | set(UNSUPPORTED_CLASSES) == {t.value for t in ModelType}
-    assert not set(MODEL_CLASSES) & set(UNSUPPORTED_CLASSES)
+    classes = [c for a in every() if a.executorch for c in a.executorch.model_classes]
+    assert set(classes) | set(REFUSED_CLASSES) == {t.value for t in ModelType}
+    assert len(set(classes)) == len(classes) and not set(classes) & set(REFUSED_CLASSES)
 
 
 LFM2_PARAMS = dict(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=96, hidden_dim=128,
@@ -341,7 +342,7 @@ def test_qwen3_params_need_its_head_norms():
 def test_qkv_biases_belong_to_qwen2_only():
     params = {**LFM2_PARAMS, "layer_types": None}
     with pytest.raises(InputError, match=r"attention_qkv_bias=true: llama has no q/k/v biases "
-                       r"\(Qwen2\.5 has: model_class qwen2_5_0_5b"):
+                       r"\(qwen2 has: model_class qwen2_5_0_5b or qwen2_5_1_5b or "):
         hf_config_from_params({**params, "use_qk_norm": False, "attention_qkv_bias": True},
                               "llama3_2")
     with pytest.raises(InputError, match=r"use_hf_rope and attention_qkv_bias must be true and "

@@ -12,35 +12,39 @@ from edgellm.cli import main
 
 
 @pytest.mark.parametrize("arch", ["lfm2", "llama", "qwen2", "qwen3"])
-def test_export_verifies_its_program(tiny_models, tmp_path, arch, capsys):
-    folder = tiny_models[arch][0]
-    report = edgellm.export(folder, output=tmp_path / "x", backends="xnnpack", max_seq_len=16,
-                            max_context_len=32, quiet=True)
+def test_export_verifies_its_program_as_verify_does(exported, arch, capsys):
+    """The export checks the eager model it built (verification.Verification takes the stage
+    products) and `edgellm verify` on the folder afterwards gives the same figures."""
+    folder, report = exported(arch)
     result = report["verify"]
     assert result["passed"] and [c["level"] for c in result["checks"]] == ["rewrite", "program"]
     for check in result["checks"]:
         assert check["sqnr_db"] > 100 and check["top1"] == 1.0, check  # fp32: exact but rounding
         assert check["first_divergence"] is None
     assert result["prompts"] == [5, 11] and result["steps"] == 8
-    assert "verify" in [s["name"] for s in report["stages"]]
-    assert main(["verify", str(tmp_path / "x" / "model.pte")]) == 0
+    assert [s["name"] for s in report["stages"]] == ["load", "build", "reference", "export",
+                                                     "lower", "serialize", "verify"]
+    assert main(["verify", str(folder / "model.pte"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == result
+    assert main(["verify", str(folder)]) == 0
     out = capsys.readouterr().out
     assert "rewrite: ok" in out and "program: ok" in out
 
 
-def test_a_program_from_perturbed_weights_fails_with_exit_code_1(tiny_models, tmp_path, capsys):
+def test_a_program_from_other_weights_fails_with_exit_code_1(exported, tmp_path, capsys):
+    """The program of the shared Llama export, claimed to come from perturbed weights."""
     from safetensors.torch import load_file, save_file
 
-    folder = tiny_models["lfm2"][0]
-    shutil.copytree(folder, tmp_path / "perturbed")
+    folder, _ = exported("llama")
+    model = yaml.safe_load((folder / "config.yaml").read_text())["model"]
+    shutil.copytree(model, tmp_path / "perturbed")
     weights = load_file(tmp_path / "perturbed" / "model.safetensors")
     w = weights["model.layers.1.self_attn.v_proj.weight"]
     weights["model.layers.1.self_attn.v_proj.weight"] = w + 0.5 * w.std()
     save_file(weights, tmp_path / "perturbed" / "model.safetensors", metadata={"format": "pt"})
-    edgellm.export(tmp_path / "perturbed", output=tmp_path / "x", backends="xnnpack",
-                   max_seq_len=16, verify=False, quiet=True)
+    shutil.copytree(folder, tmp_path / "x")
     config = yaml.safe_load((tmp_path / "x" / "config.yaml").read_text())
-    config["model"] = str(folder)  # the checkpoint the program claims to come from
+    config["model"] = str(tmp_path / "perturbed")  # what the program claims to come from
     (tmp_path / "x" / "config.yaml").write_text(yaml.safe_dump(config))
 
     assert main(["verify", str(tmp_path / "x")]) == 1
@@ -53,9 +57,8 @@ def test_a_program_from_perturbed_weights_fails_with_exit_code_1(tiny_models, tm
     assert not result["passed"] and program["sqnr_db"] < program["min_sqnr_db"]
 
 
-def test_core_ml_is_checked_as_far_as_this_machine_can(tiny_models, tmp_path):
-    report = edgellm.export(tiny_models["lfm2"][0], output=tmp_path / "c", backends="coreml",
-                            max_seq_len=16, quiet=True)
+def test_core_ml_is_checked_as_far_as_this_machine_can(exported):
+    _, report = exported("lfm2", backends="coreml")
     rewrite, graph = report["verify"]["checks"]
     assert rewrite["level"] == "rewrite" and rewrite["passed"]
     assert graph["level"] == "exported graph" and graph["passed"]
@@ -90,27 +93,26 @@ def test_a_quantized_program_passes_as_kernel_rounding_only_when_as_close_to_fp3
 
 
 @pytest.mark.parametrize("arch, backend, options", [
-    ("llama", "xnnpack", {}),
-    ("llama", "xnnpack", {"quantize": "8da4w", "group_size": 32}),
-    ("lfm2", "coreml", {}),
+    ("llama", "xnnpack", {"quantize": "8da4w", "group_size": 32, "embedding_quantize": "4,32"}),
     ("lfm2", "coreml", {"quantize": "4w"})])
-def test_an_export_verifies_as_verify_does_with_one_quantization_and_the_same_program(
-        tiny_models, tmp_path, monkeypatch, arch, backend, options):
-    """The export checks the eager model it built and quantized (verification.Verification)
-    instead of building and quantizing a second one: the same figures as `edgellm verify` on the
-    folder afterwards, and the same program as an export without verification (the checks run
-    the model before it is exported and put its caches back)."""
-    from edgellm import quantize
+def test_a_quantized_export_is_verified_on_the_model_it_quantized(tiny_models, exported,
+                                                                  tmp_path, monkeypatch, arch,
+                                                                  backend, options):
+    """The export quantizes once and verification checks that model (it builds and quantizes
+    no second one); `edgellm verify` afterwards (which must quantize its own) gives the same
+    figures; and the program is the one an export without verification writes (Core ML here;
+    XNNPACK's: test_pipeline.py's replay, and quantized, test_patches.py)."""
+    from edgellm.quantize import apply
 
+    folder, report = exported(arch, backends=backend, **options)
     quantized = []
-    monkeypatch.setattr(quantize, "quantize", lambda *a, _q=quantize.quantize, **k:
+    monkeypatch.setattr(apply, "quantize", lambda *a, _q=apply.quantize, **k:
                         quantized.append(1) or _q(*a, **k))
-    sizes = dict(max_seq_len=16, max_context_len=32, backends=backend, quiet=True, **options)
-    report = edgellm.export(tiny_models[arch][0], output=tmp_path / "v", **sizes)
-    assert len(quantized) == (1 if options else 0)
-    again = edgellm.verify(tmp_path / "v")
-    assert len(quantized) == (2 if options else 0)  # verify alone builds its own
-    assert report["verify"] == again
-    assert report["verify"]["passed"]
-    edgellm.export(tiny_models[arch][0], output=tmp_path / "n", verify=False, **sizes)
-    assert (tmp_path / "v" / "model.pte").read_bytes() == (tmp_path / "n" / "model.pte").read_bytes()
+    assert [s["name"] for s in report["stages"]].count("quantize") == 1
+    again = edgellm.verify(folder)
+    assert len(quantized) == 1 and report["verify"] == again and again["passed"]
+    if backend == "coreml":
+        edgellm.export(tiny_models[arch][0], output=tmp_path / "n", verify=False, quiet=True,
+                       backends=backend, max_seq_len=16, max_context_len=32, etrecord=True,
+                       **options)
+        assert (folder / "model.pte").read_bytes() == (tmp_path / "n" / "model.pte").read_bytes()

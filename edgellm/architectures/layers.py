@@ -21,6 +21,7 @@ from torch import nn
 
 from ..errors import InputError
 
+
 @dataclass(frozen=True)
 class ModelOptions:
     """How to write the model for a backend, and the sizes of its state."""
@@ -253,30 +254,6 @@ def make_step(input_pos: torch.Tensor, T: int, opts: ModelOptions, rope: Rope, d
     keep = (input_pos[0] != 0).to(dtype)
     return Step(positions=positions, start_int=start_int, keep=keep, mask=mask,
                 rope=rope.prepare(positions, dtype), single=single)
-
-
-class GridLinear(nn.Module):
-    """A linear whose weight is 4-bit codes on a symmetric grid plus a float offset per block of
-    its input (a GGUF Q4_1's minimum): y = x @ codes.T + (x @ sums.T) @ offsets.T, three linears
-    XNNPACK takes whole (it has no `sum`). `sums` (in / block, in) is a fixed 0/1 matrix shared
-    by every linear of the same input width; quantize.py builds these and quantizes `linear`."""
-
-    def __init__(self, linear: nn.Linear, codes: torch.Tensor, offsets: torch.Tensor,
-                 sums: nn.Parameter):
-        super().__init__()
-        dtype = linear.weight.dtype
-        self.linear = nn.Linear(codes.shape[1], codes.shape[0], bias=linear.bias is not None,
-                                device="meta")
-        self.linear.weight = nn.Parameter(codes.to(dtype), requires_grad=False)
-        if linear.bias is not None:
-            self.linear.bias = linear.bias
-        self.sums = nn.Linear(sums.shape[1], sums.shape[0], bias=False, device="meta")
-        self.sums.weight = sums
-        self.offset = nn.Linear(offsets.shape[1], offsets.shape[0], bias=False, device="meta")
-        self.offset.weight = nn.Parameter(offsets.to(dtype), requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
-        return self.linear(x) + self.offset(self.sums(x))
 
 
 def head_weight(lm: nn.Module) -> torch.Tensor:

@@ -8,6 +8,10 @@ Same math and parameter names as transformers' Lfm2ForCausalLM. Differences:
   a split of the fused output breaks XNNPACK graphs (split_with_sizes has no XNNPACK config).
   `source_name` maps the three back, so a GGUF's storage type of in_proj reaches each of them.
 - A static KV cache per attention layer; only the last token's logits are computed.
+
+ExecuTorch's export_llm holds LFM2 in Meta's names (examples/models/lfm2/convert_weights.py: the
+in_proj as three `B_proj`, `C_proj`, `x_proj` chunks, joined back here) with params that must
+ask for half-split RoPE and q/k norms before it.
 """
 
 from __future__ import annotations
@@ -17,9 +21,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import InputError
-
 from .layers import (KVCache, ModelOptions, RMSNorm, Rope, fold_norm, fuse_qk_weights, fused_qk,
                      head_weight, run_decoder, split_heads, write_at)
+from .registry import Architecture, ExecuTorchLayout, layer_kinds
+
+KINDS = ("conv", "full_attention")
 
 
 def check(cfg) -> list[str]:
@@ -28,7 +34,7 @@ def check(cfg) -> list[str]:
     if len(kinds) != cfg.num_hidden_layers:
         out.append(f"layer_types has {len(kinds)} entries but num_hidden_layers is "
                    f"{cfg.num_hidden_layers}")
-    odd = sorted({k for k in kinds if k not in ("conv", "full_attention")})
+    odd = sorted({k for k in kinds if k not in KINDS})
     if odd:
         out.append(f"layer_types holds {odd}; known kinds are 'conv' and 'full_attention'")
     if cfg.num_attention_heads % cfg.num_key_value_heads:
@@ -267,3 +273,67 @@ def raise_shape(key, tensor, rows):
 def build(cfg, opts: ModelOptions, dtype) -> Lfm2ForCausalLM:
     with torch.device("meta"):
         return Lfm2ForCausalLM(cfg, opts, dtype)
+
+
+# --- ExecuTorch's export_llm: Meta names, params JSON, model classes ---------------------------
+
+_CONV_PARTS = ("conv.B_proj.weight", "conv.C_proj.weight", "conv.x_proj.weight")
+
+
+def _join_in_proj(sd: dict) -> dict:
+    """lfm_2_to_meta splits conv.in_proj into B, C and x (torch.chunk); join each layer's three
+    back. A layer with some missing keeps them apart, for the loader to name."""
+    out, parts = {}, {}
+    for key, value in sd.items():
+        layer, _, rest = key.partition(".conv.")
+        if rest and f"conv.{rest}" in _CONV_PARTS and layer.startswith("layers."):
+            parts.setdefault(layer, {})[f"conv.{rest}"] = (key, value)
+        else:
+            out[key] = value
+    for layer, found in parts.items():
+        if len(found) == len(_CONV_PARTS):
+            out[f"{layer}.conv.in_proj.weight"] = torch.cat([found[k][1] for k in _CONV_PARTS])
+        else:
+            out.update(found.values())
+    return out
+
+
+def _params_problems(p: dict, model_class: str) -> list[str]:
+    out = layer_kinds(p, KINDS)
+    if not (p["use_hf_rope"] and p["use_qk_norm"] and p["qk_norm_before_rope"]):
+        out.append("use_hf_rope, use_qk_norm and qk_norm_before_rope must all be true, as in "
+                   "ExecuTorch's lfm2 configs (LFM2 normalises q and k before half-split RoPE)")
+    if p["head_dim"] * p["n_heads"] != p["dim"]:
+        out.append(f"head_dim {p['head_dim']} must be dim / n_heads = {p['dim'] / p['n_heads']}")
+    return out
+
+
+def _config(p: dict, model_class: str, common: dict, tied: bool):
+    from transformers import Lfm2Config
+
+    return Lfm2Config(**common, norm_eps=p["norm_eps"], tie_word_embeddings=True,
+                      layer_types=list(p["layer_types"][:p["n_layers"]]),
+                      rope_parameters={"rope_type": "default",
+                                       "rope_theta": float(p["rope_freq_base"])},
+                      conv_L_cache=3, conv_bias=False,  # ShortConv's fixed kernel, no bias
+                      block_auto_adjust_ff_dim=False)  # hidden_dim is already the width
+
+
+_QKV = {f"attention.w{x}.weight": f"self_attn.{x}_proj.weight" for x in "qkv"}
+
+EXECUTORCH = ExecuTorchLayout(
+    model_classes=("lfm2_350m", "lfm2_700m", "lfm2_1_2b", "lfm2_5_350m", "lfm2_5_1_2b"),
+    layer_names={**_QKV, "attention.wo.weight": "self_attn.out_proj.weight",
+                 "attention.q_norm_fn.weight": "self_attn.q_layernorm.weight",
+                 "attention.k_norm_fn.weight": "self_attn.k_layernorm.weight",
+                 "attention_norm.weight": "operator_norm.weight",
+                 **{k: k for k in ("ffn_norm.weight", "conv.in_proj.weight", "conv.conv.weight",
+                                   "conv.out_proj.weight", "feed_forward.w1.weight",
+                                   "feed_forward.w2.weight", "feed_forward.w3.weight")}},
+    final_norm="model.embedding_norm.weight",
+    problems=_params_problems, config=_config, join=_join_in_proj,
+    always_tied="LFM2 ties its output head to the embedding")
+
+ARCHITECTURE = Architecture(
+    model_type="lfm2", summary="LFM2 and LFM2.5 (short-conv + attention hybrids)",
+    build=build, check=check, executorch=EXECUTORCH)

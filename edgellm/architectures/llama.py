@@ -3,6 +3,11 @@
 Same math and parameter names as transformers' LlamaForCausalLM; rotary frequencies (including
 Llama 3 rope scaling) come from transformers itself. Differences: a static KV cache per layer,
 and only the last token's logits are computed.
+
+The Llama layout's relatives (qwen2.py, qwen3.py) are a `Variant` of these classes and share the
+ExecuTorch side below: Meta's names (llama_transformer.py) and the params checks of a model whose
+every layer is attention. ExecuTorch scales RoPE only on its own path (use_hf_rope false), as
+Llama 3 does; its q/k rows are then interleaved, which sources/executorch.py undoes.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from torch import nn
 
 from .layers import (KVCache, ModelOptions, RMSNorm, Rope, fold_norm, fuse_qk_weights, fused_qk,
                      head_weight, run_decoder, split_heads)
+from .registry import Architecture, ExecuTorchLayout, layer_kinds
 
 
 def check(cfg) -> list[str]:
@@ -162,7 +168,7 @@ class LlamaForCausalLM(nn.Module):
                             attn.n_kv)
 
     def _drop_tied_head(self, sd: dict) -> None:
-        # Tied checkpoints may or may not store lm_head.weight; it is embed_tokens.weight either way.
+        # Tied checkpoints may or may not store lm_head.weight; it is embed_tokens.weight anyway
         if self.tied:
             sd.pop("lm_head.weight", None)
 
@@ -173,3 +179,66 @@ class LlamaForCausalLM(nn.Module):
 def build(cfg, opts: ModelOptions, dtype, variant: Variant = Variant()) -> LlamaForCausalLM:
     with torch.device("meta"):
         return LlamaForCausalLM(cfg, opts, dtype, variant)
+
+
+# --- ExecuTorch's export_llm: Meta names, params JSON, model classes ---------------------------
+
+META_NAMES = {**{f"attention.w{x}.weight": f"self_attn.{x}_proj.weight" for x in "qkv"},
+              "attention.wo.weight": "self_attn.o_proj.weight",
+              "attention_norm.weight": "input_layernorm.weight",
+              "ffn_norm.weight": "post_attention_layernorm.weight",
+              "feed_forward.w1.weight": "mlp.gate_proj.weight",
+              "feed_forward.w2.weight": "mlp.down_proj.weight",
+              "feed_forward.w3.weight": "mlp.up_proj.weight"}
+UNSCALED_ROPE = "use_scaled_rope=true: ExecuTorch scales RoPE only for Meta-layout Llamas"
+
+
+def attention_only(p: dict) -> list[str]:
+    """Every layer an attention layer, where the params name layer kinds."""
+    return layer_kinds(p, ("full_attention",)) if p["layer_types"] is not None else []
+
+
+def default_rope(p: dict) -> dict:
+    return {"rope_type": "default", "rope_theta": float(p["rope_freq_base"])}
+
+
+def _params_problems(p: dict, model_class: str) -> list[str]:
+    out = attention_only(p)
+    if p["use_qk_norm"]:
+        out.append("use_qk_norm=true: Llama has no q/k norms (Qwen3 has: model_class "
+                   "qwen3_0_6b, qwen3_1_7b or qwen3_4b)")
+    if p["use_scaled_rope"] and not p["use_hf_rope"] and model_class in ("llama2", "stories110m"):
+        out.append(f"use_scaled_rope=true is refused by ExecuTorch for {model_class}")
+    return out
+
+
+def _rope(p: dict, model_class: str) -> dict:
+    # ExecuTorch scales RoPE only on its own (use_hf_rope false) path, as Llama 3 does at original
+    # length 8192 with low_freq_factor 1 (rope.py apply_scaling); model.py forces the factor to
+    # 32 for classes other than llama3 and llama3_1.
+    if not p["use_scaled_rope"] or p["use_hf_rope"]:
+        return default_rope(p)
+    factor = p["rope_scale_factor"] if model_class in ("llama3", "llama3_1") else 32
+    return {"rope_type": "llama3", "rope_theta": float(p["rope_freq_base"]),
+            "factor": float(factor), "low_freq_factor": 1.0,
+            "high_freq_factor": float(p["high_freq_factor"]),
+            "original_max_position_embeddings": 8192}
+
+
+def _config(p: dict, model_class: str, common: dict, tied: bool):
+    from transformers import LlamaConfig
+
+    rope = _rope(p, model_class)
+    if rope["rope_type"] == "llama3":  # transformers wants it above the original 8192
+        common = {**common, "max_position_embeddings": 131072}
+    return LlamaConfig(**common, rms_norm_eps=p["norm_eps"], head_dim=p["head_dim"],
+                       rope_parameters=rope, tie_word_embeddings=tied, attention_bias=False,
+                       mlp_bias=False)
+
+
+ARCHITECTURE = Architecture(
+    model_type="llama", summary="Llama 3.x, SmolLM2 and other Llama-layout models",
+    build=build, check=check, executorch=ExecuTorchLayout(
+        model_classes=("stories110m", "llama2", "llama3", "llama3_1", "llama3_2", "smollm2"),
+        layer_names=META_NAMES, final_norm="model.norm.weight", problems=_params_problems,
+        config=_config))

@@ -5,8 +5,7 @@ the q, k and v projections (o has none). Sliding-window layers are refused, as f
 from __future__ import annotations
 
 from . import llama
-
-check = llama.check
+from .registry import Architecture, ExecuTorchLayout
 
 
 def unsupported(cfg) -> list[str]:
@@ -15,3 +14,33 @@ def unsupported(cfg) -> list[str]:
 
 def build(cfg, opts, dtype):
     return llama.build(cfg, opts, dtype, llama.Variant(qkv_bias=True))
+
+
+def _params_problems(p: dict, model_class: str) -> list[str]:
+    out = llama.attention_only(p)
+    if not (p["use_hf_rope"] and p["attention_qkv_bias"]) or p["use_qk_norm"]:
+        out.append("use_hf_rope and attention_qkv_bias must be true and use_qk_norm false, as in "
+                   "ExecuTorch's qwen2_5 configs (Qwen2 has biases on q, k and v and no q/k "
+                   "norms)")
+    if p["head_dim"] * p["n_heads"] != p["dim"]:
+        out.append(f"head_dim {p['head_dim']} must be dim / n_heads = {p['dim'] / p['n_heads']}")
+    if p["use_scaled_rope"]:
+        out.append(llama.UNSCALED_ROPE)
+    return out
+
+
+def _config(p: dict, model_class: str, common: dict, tied: bool):
+    from transformers import Qwen2Config
+
+    return Qwen2Config(**common, rms_norm_eps=p["norm_eps"], rope_parameters=llama.default_rope(p),
+                       tie_word_embeddings=tied)
+
+
+ARCHITECTURE = Architecture(
+    model_type="qwen2", summary="Qwen2 and Qwen2.5 (Llama layout with q, k and v biases)",
+    build=build, check=llama.check, unsupported=unsupported, executorch=ExecuTorchLayout(
+        model_classes=("qwen2_5_0_5b", "qwen2_5_1_5b", "qwen2_5_coder_32b"),
+        layer_names={**llama.META_NAMES,
+                     **{f"attention.w{x}.bias": f"self_attn.{x}_proj.bias" for x in "qkv"}},
+        final_norm="model.norm.weight", problems=_params_problems, config=_config,
+        qkv_bias=True))

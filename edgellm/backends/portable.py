@@ -1,6 +1,6 @@
 """No delegate: ExecuTorch's portable kernels run every op. The baseline and the debugging aid."""
 
-from . import Backend
+from .base import Backend
 
 BACKEND = Backend(
     name="portable",
@@ -8,4 +8,6 @@ BACKEND = Backend(
     dynamic_shapes=True,
     make_partitioners=lambda options: [],
     writing={"attention": "sdpa", "norm": "mean"},
+    quantized_embeddings=True,  # ExecuTorch's quantized_decomposed embedding kernels
+    delegates=False,
 )

@@ -1,9 +1,10 @@
 """Vulkan, ExecuTorch's GPU backend for Android. Shapes are static (one token per call).
 
 Programs can be built on Linux but not run here: the Linux ExecuTorch wheel has no Vulkan runtime.
+Lowering runs with edgellm's Vulkan patch (edgellm/patches/vulkan.py: pattern graphs built once).
 """
 
-from . import Backend
+from .base import Backend
 
 
 def _partitioners(options) -> list:
@@ -22,4 +23,6 @@ BACKEND = Backend(
     # state written by copy_ then loses its buffer (SpecViolationError). index_put_ stays outside.
     writing={"attention": "sdpa", "norm": "mean", "state_write": "index_put"},
     requires=("executorch.backends.vulkan.partitioner",),
+    patches=("vulkan",),
+    from_executorch=lambda fields: ({}, {}, []),  # export_llm's backend.vulkan has no options
 )

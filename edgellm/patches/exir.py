@@ -1,23 +1,20 @@
-"""ExecuTorch 1.5's ExportPass without re-running torchao's quantize ops on fake tensors.
+"""Retraces without re-running torchao's quantize ops on fake tensors: a patch of ExecuTorch
+1.5's ExportPass and of torch.export's older pass base.
 
 Every ExportPass retraces its graph: each node's op runs again on fake tensors to give the new
 node its metadata. torchao's quantize primitives (`choose_qparams_affine`, `quantize_affine`,
-`dequantize_affine`) are CompositeImplicitAutograd ops, so each of those runs is their Python body,
-twenty-odd ATen ops, about 3.5 ms. An 8da4w program holds four per linear, and lowering retraces
-it some twenty times (aten-to-edge passes, XNNPACK's passes, `to_executorch`): LFM2.5-350M, 113
-linears, spent 8 s of its lowering there.
+`dequantize_affine`) are CompositeImplicitAutograd ops, so each of those runs is their Python
+body, twenty-odd ATen ops. An 8da4w program holds four per linear, and lowering retraces it some
+twenty times (aten-to-edge passes, XNNPACK's passes, `to_executorch`).
 
 A fake run of such an op has no data: its outputs' shapes, strides and dtypes follow from its
 inputs' and its other arguments, which is what ExecuTorch keeps from the run. `_Remembering`
-keeps them per fake mode (the symbolic sizes belong to its ShapeEnv) and answers a repeat
-with new empty fake tensors of the same metadata. Only functional torchao ops, only when every
-tensor argument is a fake tensor of one mode; anything else runs as before. The .pte is the same
-(tested on tiny LFM2/Llama 8da4w; LFM2.5-350M sha256 equal).
+keeps them per fake mode (the symbolic sizes belong to its ShapeEnv) and answers a repeat with
+new empty fake tensors of the same metadata. Only functional torchao ops, only when every tensor
+argument is a fake tensor of one mode; anything else runs as before. The .pte is the same.
 
-`install()` wraps `_fx` of ExecuTorch's ExportPass and of torch.export's older pass base (which
-some of ExecuTorch's aten-to-edge passes still use); `restore()` puts them back
-(EDGELLM_UPSTREAM_COPIES=1). Imported only by `switch_workarounds` for `lower._lean_passes`,
-after its version check.
+`exir.torchao_fake_runs` wraps `_fx` of ExecuTorch's ExportPass and of torch.export's older pass
+base (which some of ExecuTorch's aten-to-edge passes still use).
 """
 
 from __future__ import annotations
@@ -31,6 +28,8 @@ from executorch.exir.pass_base import _ExportPassBase
 from torch._export.pass_base import _ExportPassBaseDeprecatedDoNotUse
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_leaves
+
+from . import Patch
 
 # ExecuTorch's ExportPass and torch.export's older one (ReplaceViewOpsWithViewCopyOpsPass)
 # build each node the same way: `_fx` runs the op through `self.interpreter`, then adds the node
@@ -113,15 +112,22 @@ def _remembering(upstream):
 _MEMOIZED_FX = {base: _remembering(fx) for base, fx in _UPSTREAM_FX.items()}
 
 
-def install() -> None:
+def _install() -> None:
     for base, fx in _MEMOIZED_FX.items():
         base._fx = fx
 
 
-def restore() -> None:
+def _restore() -> None:
     for base, fx in _UPSTREAM_FX.items():
         base._fx = fx
 
 
-def installed() -> bool:
-    return all(base._fx is fx for base, fx in _MEMOIZED_FX.items())
+PATCHES = (
+    Patch(name="exir.torchao_fake_runs", summary="retraces answer torchao's quantize ops from "
+          "the first fake run of the same shapes", written_for={"executorch": "1.5."}, pins={
+              "executorch.exir.pass_base:_ExportPassBase._fx": "d21aacbb5c107fba",
+              "torch._export.pass_base:_ExportPassBaseDeprecatedDoNotUse._fx":
+                  "fc5bee485d9e884b"},
+          install=_install, restore=_restore,
+          installed=lambda: all(base._fx is fx for base, fx in _MEMOIZED_FX.items())),
+)

@@ -1,29 +1,28 @@
-"""XNNPACK lowering without two extra copies of the weights: workarounds for ExecuTorch 1.5.1.
+"""XNNPACK lowering in ExecuTorch 1.5: patches that keep it from copying the weights twice,
+retracing graphs nothing changed, and decomposing the program three times.
 
-ExecuTorch 1.5.1 holds every weight three times while it lowers to XNNPACK (LFM2.5-350M fp32, whose
-weights are 1.35 GB, peaks at 4.6 GB; 2.3 GB with these workarounds):
-- `BackendDetails.copy_exported_program_for_preprocess` deep-copies each partition's program,
-  weights included, and `lower_all_submodules_to_backend` makes every partition's copy before the
-  first `preprocess`, although `XnnpackBackend.preprocess` only reads the weights.
-- `NodeVisitor.get_serialized_buffer_index` stores each constant in the NamedDataStore as `bytes`,
-  which live until the .pte is written, although most are the weight's own bytes.
+- `xnnpack.shared_weights`: `BackendDetails.copy_exported_program_for_preprocess` deep-copies
+  each partition's program, weights included, and `lower_all_submodules_to_backend` makes every
+  partition's copy before the first `preprocess`, although `XnnpackBackend.preprocess` only reads
+  the weights; and `NodeVisitor.get_serialized_buffer_index` stores each constant in the
+  NamedDataStore as `bytes`, which live until the .pte is written, although most are the weight's
+  own bytes. The patch shares compact weights with the copy (through the hook ExecuTorch gives
+  backends) and, after each `preprocess`, swaps every `bytes` buffer equal to a weight's storage
+  for a `TensorBackedData` that writes from the tensor's memory.
+- `xnnpack.skip_retraces`: `XNNPACKPassManager` runs its passes over every partition, and each
+  ends in `ExportPass.call`, which retraces the whole graph with fake tensors whether or not the
+  pass rewrote anything (an LLM's partitions have no batch norm, upsample, PReLU or max pool).
+  The patch runs them with `_RetraceGuard` between each such pass and ExportPass: an unchanged
+  graph is handed back as it is.
+- `xnnpack.one_decomposition`: the partitioner answers `ops_to_not_decompose` with a check
+  function, which sends ExecuTorch down its EDGE_DO_NOT_DECOMP path (decompose, mark the nodes
+  the check accepts, decompose again, unmark). When every node the check would see passes, the
+  patched partitioner answers without one, filtered as that path filters the ops: ExecuTorch then
+  keeps the same nodes with one decomposition.
 
-And it spends half its lowering time retracing graphs nothing changed:
-- `XNNPACKPassManager` runs 17 passes over every partition; each ends in `ExportPass.call`, which
-  retraces the whole graph with fake tensors (for 8da4w, running torchao's quantize ops' Python
-  bodies again), whether or not the pass found anything to rewrite. An LLM's partitions have no
-  batch norm, upsample, PReLU or max pool, so most of those retraces reproduce the graph.
-
-`install()` shares compact weights with the copy (through the hook ExecuTorch gives backends),
-wraps `preprocess` so that a buffer equal to a weight's storage is written from that storage, and
-runs XNNPACK's passes skipping the retrace of a graph its pass left unchanged (`_RetraceGuard`);
-`restore()` puts ExecuTorch's own methods back. No ExecuTorch source is rewritten, and the .pte is
-byte-identical either way. Imported only by `switch_workarounds` for `xnnpack._lean_preprocess`,
-after its version check.
-
-What remains of the peak: one partition's `bytes` while its preprocess runs (the 256 MB head is
-the largest), the emitter's `bytes` of the undelegated embedding table (exir/emit/_emitter.py,
-also 256 MB), and the copies of weights that are views (below).
+What remains of the peak: one partition's `bytes` while its preprocess runs (the head is the
+largest), the emitter's `bytes` of the undelegated embedding table (exir/emit/_emitter.py), and
+copies of weights that are views (below). The .pte is byte-identical with and without them.
 """
 
 from __future__ import annotations
@@ -35,11 +34,16 @@ import hashlib
 import numpy as np
 import torch
 from executorch.backends.xnnpack._passes import XNNPACKPass, XNNPACKPassManager
+from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
 from executorch.backends.xnnpack.xnnpack_preprocess import XnnpackBackend
 from executorch.exir._serialize._cord import FileBackedData
+from executorch.exir.backend.canonical_partitioners.config_partitioner import (
+    ConfigerationBasedPartitioner)
 from executorch.exir.pass_base import ExportPass
-from executorch.exir.program._program import _transform
+from executorch.exir.program._program import _remove_invalid_ops_for_not_decompose, _transform
 from torch.fx.passes.infra.pass_base import PassResult
+
+from . import Patch
 
 _UPSTREAM_PREPROCESS = XnnpackBackend.__dict__["preprocess"]  # a staticmethod
 _UPSTREAM_TRANSFORM = XNNPACKPassManager.__dict__["transform"]
@@ -190,20 +194,70 @@ def _transform_skipping_retraces(self):
     return ep
 
 
-def install() -> None:
+def _answer_up_front(self, ep):
+    """XnnpackPartitioner.ops_to_not_decompose, answered without the check function when every
+    node it would check passes: then both of ExecuTorch's paths keep the same nodes, and the one
+    taken decomposes the program once instead of three times. When one fails, the check goes to
+    ExecuTorch as before. The ops are filtered as the EDGE_DO_NOT_DECOMP path filters them."""
+    ops, check = ConfigerationBasedPartitioner.ops_to_not_decompose(self, ep)
+    if check is None:
+        return ops, check
+    kept = set(ops)
+    if all(check(n) for n in ep.graph.nodes if n.op == "call_function" and n.target in kept):
+        return _remove_invalid_ops_for_not_decompose(list(ops)), None
+    return ops, check
+
+
+def _install_shared_weights() -> None:
     """Idempotent: the wrapper calls ExecuTorch's preprocess, never the attribute it replaced."""
     setattr(XnnpackBackend, _COPY_HOOK, classmethod(_copy_sharing_weights))
     XnnpackBackend.preprocess = staticmethod(_preprocess_from_weights)
-    XNNPACKPassManager.transform = _transform_skipping_retraces
 
 
-def restore() -> None:
-    """ExecuTorch's own copy hook (BackendDetails'), preprocess and pass manager."""
+def _restore_shared_weights() -> None:
+    """ExecuTorch's own copy hook (BackendDetails') and preprocess."""
     if _COPY_HOOK in XnnpackBackend.__dict__:
         delattr(XnnpackBackend, _COPY_HOOK)
     XnnpackBackend.preprocess = _UPSTREAM_PREPROCESS
-    XNNPACKPassManager.transform = _UPSTREAM_TRANSFORM
 
 
-def installed() -> bool:
-    return XnnpackBackend.preprocess is _preprocess_from_weights
+def _restore_ops_to_not_decompose() -> None:
+    if "ops_to_not_decompose" in XnnpackPartitioner.__dict__:
+        del XnnpackPartitioner.ops_to_not_decompose
+
+
+def _patch(name, summary, pins, install, restore, installed) -> Patch:
+    return Patch(name=f"xnnpack.{name}", summary=summary, written_for={"executorch": "1.5."},
+                 pins=pins, install=install, restore=restore, installed=installed)
+
+
+PATCHES = (
+    _patch("shared_weights", "XNNPACK's preprocess shares the weights instead of copying them "
+           "twice", {
+               "executorch.exir.backend.backend_details:BackendDetails."
+               "copy_exported_program_for_preprocess": "161d76674b18cbbd",
+               "executorch.backends.xnnpack.xnnpack_preprocess:XnnpackBackend.preprocess":
+                   "62f7dc915f1ef40c",
+               "executorch.exir._serialize._cord:FileBackedData": "274534a6fc9df21f"},
+           _install_shared_weights, _restore_shared_weights,
+           lambda: XnnpackBackend.preprocess is _preprocess_from_weights),
+    _patch("skip_retraces", "XNNPACK's passes hand back the graphs they left unchanged instead "
+           "of retracing them", {
+               "executorch.backends.xnnpack._passes:XNNPACKPassManager.transform":
+                   "18e3bd06d0a97585",
+               "executorch.exir.pass_base:_ExportPassBase.call": "689e39bb23b9834c"},
+           lambda: setattr(XNNPACKPassManager, "transform", _transform_skipping_retraces),
+           lambda: setattr(XNNPACKPassManager, "transform", _UPSTREAM_TRANSFORM),
+           lambda: XNNPACKPassManager.transform is _transform_skipping_retraces),
+    _patch("one_decomposition", "the XNNPACK partitioner answers without a check function when "
+           "every node passes it: one decomposition of the program instead of three", {
+               "executorch.exir.backend.canonical_partitioners.config_partitioner:"
+               "ConfigerationBasedPartitioner.ops_to_not_decompose": "9713395f05ceec1b",
+               "executorch.exir.program._program:_gen_edge_manager_for_partitioners":
+                   "14a2b38bd338a215",
+               "executorch.exir.program._program:_remove_invalid_ops_for_not_decompose":
+                   "3e17892fc8dbf7d8"},
+           lambda: setattr(XnnpackPartitioner, "ops_to_not_decompose", _answer_up_front),
+           _restore_ops_to_not_decompose,
+           lambda: XnnpackPartitioner.__dict__.get("ops_to_not_decompose") is _answer_up_front),
+)

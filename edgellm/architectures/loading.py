@@ -1,0 +1,58 @@
+"""The one place weights are loaded: a model built for its config on the meta device, then every
+tensor of the state dict assigned by name, without copies, after the model's own load-time hooks
+(`state_dict_hooks`: layout changes converted in one place). Missing, unexpected and mis-shaped
+tensors fail the load, named."""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import InputError
+from .registry import architecture
+from .layers import ModelOptions, separate_tied_head
+
+
+def build_model(hf_config, state_dict: dict, opts: ModelOptions, dtype: torch.dtype):
+    """Build the architecture for `hf_config` and load `state_dict` into it without copies."""
+    arch = architecture(hf_config.model_type)
+    problems = arch.check(hf_config)
+    if problems:
+        raise InputError(f"config.json contradicts itself: {'; '.join(problems)}. "
+                         "Fix the checkpoint's config.json.")
+    unsupported = arch.unsupported(hf_config)
+    if unsupported:
+        raise InputError(f"config.json asks for what edgellm cannot export: "
+                         f"{'; '.join(unsupported)}.")
+    model = arch.build(hf_config, opts, dtype)
+    load_weights(model, state_dict, dtype)
+    if opts.separate_head:
+        separate_tied_head(model)
+    return model.eval()
+
+
+def load_weights(model: torch.nn.Module, state_dict: dict, dtype: torch.dtype) -> None:
+    """Assign every tensor by name; fail on missing, unexpected or mis-shaped tensors, naming
+    them."""
+    state_dict = dict(state_dict)
+    for hook in getattr(model, "state_dict_hooks", ()):
+        hook(state_dict)
+    expected = dict(model.named_parameters())
+    missing = sorted(set(expected) - set(state_dict))
+    unexpected = sorted(set(state_dict) - set(expected))
+    shapes = sorted(f"{k} {tuple(state_dict[k].shape)} (expected {tuple(p.shape)})"
+                    for k, p in expected.items()
+                    if k in state_dict and tuple(state_dict[k].shape) != tuple(p.shape))
+    problems = [f"{what}: {_names(items)}" for what, items in
+                (("missing tensors", missing), ("unexpected tensors", unexpected),
+                 ("mis-shaped tensors", shapes)) if items]
+    if problems:
+        raise InputError(f"Checkpoint does not fit the {type(model).__name__} its config "
+                         f"describes: {'; '.join(problems)}. Check that the weights and "
+                         "config.json come from the same model.")
+    model.load_state_dict({k: v.to(dtype) for k, v in state_dict.items()}, strict=False,
+                          assign=True)
+
+
+def _names(items: list[str], limit: int = 8) -> str:
+    more = f" and {len(items) - limit} more" if len(items) > limit else ""
+    return ", ".join(items[:limit]) + more

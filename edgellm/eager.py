@@ -1,0 +1,60 @@
+"""The eager model an export lowers and `verify` checks, made the same way for both: load the
+source, build the architecture for the chain's first backend, quantize.
+
+Each stage hands its product to `made(stage, product)` as soon as it exists: ("load", Source),
+("build", the model before quantization), ("quantize", the quantized model). Whoever needs a
+product at that moment takes it there (verification runs transformers beside the built model,
+before quantization changes it in place); nothing else is kept alive for it.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Callable
+
+from .config import ExportConfig, torch_dtype
+from .memory import drop_checkpoint_pages
+from .progress import Stages
+
+
+@dataclass
+class Eager:
+    source: object  # sources.Source; its state dict emptied once the model holds the tensors
+    model: object  # the eager module, quantized as the program will be
+    quantized: object | None  # quantize.apply.Quantized, None without a recipe
+    weight_bytes: int  # of weights one decode step reads
+
+
+def eager_model(cfg: ExportConfig, plan, stages: Stages,
+                made: Callable[[str, object], None] = lambda stage, product: None) -> Eager:
+    """Load, build and quantize as `cfg` and the backends' `plan` ask, one timed stage each."""
+    from .architectures import build_model
+    from .architectures.layers import weight_bytes
+    from .sources import load_source
+
+    with stages.stage("load"):
+        source = load_source(cfg.model, params=cfg.params, model_class=cfg.model_class,
+                             tokenizer=cfg.tokenizer)
+        source.bos_id = source.bos_id if cfg.bos_id is None else cfg.bos_id
+        source.eos_ids = source.eos_ids if cfg.eos_ids is None else cfg.eos_ids
+    made("load", source)
+    opts = plan.model_options(cfg, source.stored_types)
+    with stages.stage("build"):
+        model = build_model(source.hf_config, source.state_dict, opts, torch_dtype(cfg.dtype))
+    made("build", model)
+    source.state_dict = {}  # the model holds the tensors now
+    drop_checkpoint_pages()  # pages of checkpoint weights the build replaced
+    weights = weight_bytes(model)
+    done = None
+    if cfg.quantize or cfg.embedding_quantize:
+        from .quantize import quantize
+
+        with stages.stage("quantize"):
+            done = quantize(model, cfg, source.stored_types)
+        drop_checkpoint_pages()  # and those quantization replaced
+        weights -= done.bytes_saved
+        for line in [] if stages.quiet else done.notes():
+            print(line, file=sys.stderr, flush=True)
+        made("quantize", model)
+    return Eager(source, model, done, weights)

@@ -1,0 +1,127 @@
+"""A quantization plan applied to the eager model, in place, through torchao's `quantize_`: the
+tables, then the source's grids kept exactly, then every other planned linear."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from torch import nn
+
+from ..memory import drop_checkpoint_pages
+from .grid import keep_grids, packed_bytes
+from .plan import Plan, embedding_name, plan
+from .recipes import torchao_config
+
+# While linears are quantized, the checkpoint pages of those already done are dropped once this
+# many float bytes have been (each drop reads /proc/self/smaps, too slow to do per linear)
+DROP_PAGES_EVERY = 64 << 20
+
+
+@dataclass
+class Quantized:
+    """What quantize() did: report.json's `quantization`, and the bytes a decode step saves."""
+
+    recipe: str | None
+    group_size: int | None
+    embeddings: str | None
+    bytes_saved: int = 0  # per decode step
+    linears_quantized: int = 0
+    linears_left_float: list = field(default_factory=list)  # inputs the group does not divide
+    linears_on_source_grid: int = 0  # 4-bit grids kept exactly (GGUF Q4_0 / Q4_1 / Q4_K)
+    linears_at_8_bits: list = field(default_factory=list)  # the source stores them above 4 bits
+    embeddings_stored_as: str | None = None  # the source's type that kept the table at 8 bits
+
+    def report(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if k != "bytes_saved"}
+
+    def notes(self) -> list[str]:
+        """Lines for stderr: linears left in float (a warning), grids kept, 8-bit exceptions."""
+        out, left = [], self.linears_left_float
+        if left:
+            names = ", ".join(left[:3]) + (", ..." if len(left) > 3 else "")
+            out.append(f"[edgellm] quantize: {len(left)} of {len(left) + self.linears_quantized}"
+                       f" linears stay in float: their input width is no multiple of group_size"
+                       f" {self.group_size} ({names}); a smaller --group-size quantizes them")
+        if self.linears_on_source_grid:
+            out.append(f"[edgellm] quantize: {self.linears_on_source_grid} linears keep the "
+                       f"source's 4-bit grid exactly (blocks of {self.group_size})")
+        if self.embeddings_stored_as:
+            out.append(f"[edgellm] quantize: embeddings in 8 bits ({self.embeddings}): the "
+                       f"source stores the table as {self.embeddings_stored_as}")
+        if self.linears_at_8_bits:
+            eight = self.linears_at_8_bits
+            many = "linears get" if len(eight) > 1 else "linear gets"
+            out.append(f"[edgellm] quantize: {len(eight)} {many} 8-bit weights: the source "
+                       f"stores them above 4 bits ({', '.join(eight[:3])}"
+                       f"{', ...' if len(eight) > 3 else ''})")
+        return out
+
+
+def quantize(model, cfg, stored: dict | None = None) -> Quantized:
+    """Quantize the model's nn.Linear weights (cfg.quantize) and nn.Embedding tables
+    (cfg.embedding_quantize) in place, as `plan.plan` decides; `stored` maps HF parameter names
+    to the source's storage types (GGUF). Returns what was done and how many bytes a decode step
+    reads fewer (float weights replaced by packed ones and one fp32 scale per group; an
+    embedding step reads one row either way, unless the head is the table)."""
+    todo = plan(model, cfg, stored)
+    done = Quantized(todo.recipe, todo.group, todo.embeddings,
+                     linears_left_float=list(todo.left_float),
+                     linears_at_8_bits=list(todo.at_8_bits),
+                     embeddings_stored_as=todo.embeddings_stored_as)
+    if todo.embedding is not None:
+        done.bytes_saved += _quantize_tables(model, todo)
+    if todo.recipe is None:
+        return done
+    kept = keep_grids(model, todo.grids, todo.dynamic) if todo.grids else []
+    done.linears_on_source_grid = len(kept)
+    done.bytes_saved += sum(saved for _, saved in kept) + _quantize_linears(model, todo)
+    done.linears_quantized = len(todo.linears)
+    return done
+
+
+def _quantize_tables(model, todo: Plan) -> int:
+    """The embedding tables at the plan's (bits, group), weight-only, min/max scales; returns the
+    bytes a decode step saves (those of the head, where the head is the table)."""
+    from torchao.quantization import quantize_
+
+    bits, group = todo.embedding
+    table = model.get_submodule(embedding_name(model)).weight
+    saved = table.numel() * table.element_size() - packed_bytes(table, bits, group)
+    quantize_(model, torchao_config(bits, group, dynamic=False, algorithm="affine"),
+              filter_fn=lambda m, fqn: isinstance(m, nn.Embedding) and (
+                  group == 0 or m.embedding_dim % group == 0))
+    return saved if todo.head_in_table else 0
+
+
+def _quantize_linears(model, todo: Plan) -> int:
+    """Every planned linear not already on a kept grid, one torchao config per (bits, group);
+    returns the bytes a decode step saves. The largest linears (the head) go first: HQQ holds
+    several float copies of a weight while it works, and these then come while little else is
+    held. Each weight is quantized on its own, so the order changes no byte."""
+    from torchao.quantization import quantize_
+
+    saved, pending = [], [0]  # float bytes quantized since checkpoint pages were last dropped
+
+    def chosen(bits: int, group: int, at_least: int):
+        def fits(module, fqn):
+            if (not isinstance(module, nn.Linear) or todo.linears.get(fqn) != (bits, group)
+                    or hasattr(module.weight, "qdata")  # a kept grid, already quantized
+                    or module.weight.numel() < at_least):
+                return False
+            saved.append(module.weight.numel() * module.weight.element_size()
+                         - packed_bytes(module.weight, bits, group))
+            pending[0] += module.weight.nbytes
+            if pending[0] >= DROP_PAGES_EVERY:  # those of the linears quantized before this one
+                drop_checkpoint_pages()
+                pending[0] = 0
+            return True
+        return fits
+
+    kinds = sorted(set(todo.linears.values()), key=lambda k: k != (8, 0))  # spared ones first
+    largest = max((m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear)),
+                  default=0)
+    for at_least in (largest, 0):
+        for bits, group in kinds:
+            quantize_(model, torchao_config(bits, group, todo.dynamic),
+                      filter_fn=chosen(bits, group, at_least))
+    return sum(saved)

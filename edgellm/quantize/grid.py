@@ -1,0 +1,118 @@
+"""A source's 4-bit grids, kept exactly: found in the dequantized weights, rebuilt as 4-bit codes
+on a symmetric grid plus, where the grid is offset, a float correction per block.
+
+A GGUF's Q4_0 / Q4_1 blocks of 32 (and Q4_K's sub-blocks of 32) hold at most 16 evenly spaced
+levels. torchao's `SYMMETRIC_NO_CLIPPING_ERR` scale (max(-min/8, max/7)) is exactly the step of
+a symmetric -8..7 grid, so `quantize_` with the `affine` algorithm (not HQQ, which would move it)
+reproduces the codes. An offset grid (Q4_1's and Q4_K's float minimum, which integer zero points
+cannot hold, and XNNPACK's 4-bit weights have none) becomes a `GridLinear`: the codes' linear plus
+`offset(sums(x))`, two small linears XNNPACK takes (it has no `sum`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+GRID_BLOCK = 32  # GGUF's Q4_0 and Q4_1 blocks, and Q4_K's sub-blocks
+GRID_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+
+
+def packed_bytes(weight, bits: int, group: int) -> int:
+    """Bytes of a quantized weight: its codes and one fp32 scale per group (per row: group 0)."""
+    rows, cols = weight.shape
+    return rows * cols * bits // 8 + rows * (1 if group == 0 else cols // group) * 4
+
+
+def block_grid(weight, block: int = GRID_BLOCK, tol: float = 1e-3):
+    """(codes, offsets) when every block of `block` input columns of `weight` (out, in) holds at
+    most 16 evenly spaced levels offset + step * k, k in -8..7: codes = weight - offset (out, in),
+    offsets (out, in / block), zero where the grid runs through zero. Q4_1 blocks span their
+    minimum to maximum in 15 steps; Q4_0 blocks step max|w| / 8 through zero; Q4_K's sub-blocks
+    are Q4_1's with a searched scale, whose codes need not reach both ends: fewer steps. Else
+    None."""
+    rows, cols = weight.shape
+    if cols % block:
+        return None
+    b = weight.detach().float().view(rows, cols // block, block)
+    lo, hi = b.amin(-1, keepdim=True), b.amax(-1, keepdim=True)
+
+    def levels(step, origin):  # (rows, blocks) whether every value is origin + step * integer
+        k = (b - origin) / torch.where(step > 0, step, torch.ones_like(step))
+        return ((k - k.round()).abs() <= tol).all(-1), k
+
+    step0 = torch.maximum(-lo, hi) / 8  # Q4_0-like: zero is a level, max|w| is level -8 or 8
+    fits0, k0 = levels(step0, torch.zeros_like(lo))
+    top = k0.amax(-1) > 7.5
+    fits0 &= ~(top & (k0.amin(-1) < -7.5))  # -8..8 are 17 levels
+    step1 = (hi - lo) / 15  # Q4_1-like: lo is level -8, hi level 7
+    fits1, _ = levels(step1, lo)
+    for span in range(14, 0, -1):  # Q4_K-like: lo to hi in fewer steps (a finer grid fits too)
+        if bool((fits0 | fits1).all()):
+            break
+        fits, _ = levels((hi - lo) / span, lo)
+        fits &= ~(fits0 | fits1)
+        step1 = torch.where(fits[..., None], (hi - lo) / span, step1)
+        fits1 |= fits
+    if not bool((fits0 | fits1).all()):
+        return None
+    offsets = torch.where(fits0, torch.where(top, step0[..., 0], 0.0), (lo + 8 * step1)[..., 0])
+    return (b - offsets[..., None]).view(rows, cols), offsets
+
+
+class GridLinear(nn.Module):
+    """A linear whose weight is 4-bit codes on a symmetric grid plus a float offset per block of
+    its input (a GGUF Q4_1's minimum): y = x @ codes.T + (x @ sums.T) @ offsets.T, three linears
+    XNNPACK takes whole (it has no `sum`). `sums` (in / block, in) is a fixed 0/1 matrix shared
+    by every linear of the same input width; `keep_grids` builds these and quantizes `linear`."""
+
+    def __init__(self, linear: nn.Linear, codes: torch.Tensor, offsets: torch.Tensor,
+                 sums: nn.Parameter):
+        super().__init__()
+        dtype = linear.weight.dtype
+        self.linear = nn.Linear(codes.shape[1], codes.shape[0], bias=linear.bias is not None,
+                                device="meta")
+        self.linear.weight = nn.Parameter(codes.to(dtype), requires_grad=False)
+        if linear.bias is not None:
+            self.linear.bias = linear.bias
+        self.sums = nn.Linear(sums.shape[1], sums.shape[0], bias=False, device="meta")
+        self.sums.weight = sums
+        self.offset = nn.Linear(offsets.shape[1], offsets.shape[0], bias=False, device="meta")
+        self.offset.weight = nn.Parameter(offsets.to(dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
+        return self.linear(x) + self.offset(self.sums(x))
+
+
+def keep_grids(model, candidates, dynamic: bool) -> list[tuple[str, int]]:
+    """Replace every linear of `candidates` (those the source stored as Q4_0 / Q4_1 / Q4_K)
+    whose blocks lie on a grid by its exact 4-bit form (a GridLinear where the grid is offset).
+    Returns (name, bytes saved) of each one kept; the others are left as they are."""
+    from torchao.quantization import quantize_
+
+    from .recipes import torchao_config
+
+    exact, kept, sums = torchao_config(4, GRID_BLOCK, dynamic, "affine", exact=True), [], {}
+    candidates = set(candidates)
+    for fqn, module in list(model.named_modules()):
+        if fqn not in candidates or not isinstance(module, nn.Linear):
+            continue
+        found = block_grid(module.weight)
+        offset = found is not None and bool(found[1].any())
+        if found is None or offset and fqn == "lm_head":  # the head is applied as a weight
+            continue
+        codes, offsets = found
+        size = module.weight.element_size()
+        kept.append((fqn, module.weight.numel() * size - packed_bytes(codes, 4, GRID_BLOCK)
+                     - (offsets.numel() * size if offset else 0)))
+        if offset:
+            width = codes.shape[1]
+            if width not in sums:
+                eye = torch.eye(width // GRID_BLOCK).repeat_interleave(GRID_BLOCK, dim=1)
+                sums[width] = nn.Parameter(eye.to(module.weight.dtype), requires_grad=False)
+            parent, _, name = fqn.rpartition(".")
+            module = GridLinear(module, codes, offsets, sums[width])
+            setattr(model.get_submodule(parent), name, module)
+            module = module.linear
+        quantize_(module, exact, filter_fn=lambda m, f: isinstance(m, nn.Linear))
+    return kept

@@ -1,0 +1,131 @@
+"""What quantization will do, decided before any weight changes: the bits and group of every linear
+and of the embedding tables, from the recipe and from what the source stored.
+
+A source that is already 4-bit (a GGUF's Q4_0 / Q4_1 / Q4_K tensors) is not quantized twice: a
+4-bit recipe at the file's block keeps its grids (grid.py), and tensors the file keeps above 4
+bits while its linears are 4-bit (SmolLM2's Q8_0 tied head and table, a Q4_K_M file's Q5_0 and
+Q6_K tensors) get 8 bits per channel: the file's author spared them. A head that is the
+embedding table itself (tied, no linear of its own: Core ML's build) takes the table's bits.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from ..errors import InputError
+from .grid import GRID_BLOCK, GRID_TYPES
+from .recipes import RECIPES, group_of, parse_embedding
+
+
+@dataclass
+class Plan:
+    recipe: str | None
+    group: int | None = None  # the linears' group (0: per channel), None without a recipe
+    dynamic: bool = False  # 8-bit dynamic activations
+    linears: dict = field(default_factory=dict)  # name -> (bits, group), in module order
+    grids: list = field(default_factory=list)  # kept on the source's grid where they lie on one
+    left_float: list = field(default_factory=list)  # the group does not divide their input
+    at_8_bits: list = field(default_factory=list)  # the source stores them above 4 bits
+    embedding: tuple | None = None  # (bits, group) of the tables
+    embeddings: str | None = None  # the table recipe as given, or as the source made it
+    embeddings_stored_as: str | None = None  # the source's type that kept the table at 8 bits
+    head_in_table: bool = False  # the head is the table: decode reads all of it
+
+
+def stored_bits(kind: str | None) -> int | None:
+    """Bits per weight of a GGUF storage type: 'Q4_1' -> 4, 'Q8_0' -> 8, 'F16' -> 16."""
+    found = re.search(r"\d+", kind or "")
+    return int(found.group()) if found else None
+
+
+def keeps_source_grids(cfg, stored: dict | None) -> bool:
+    """Whether the recipe keeps a source's 4-bit grids: a 4-bit recipe at the file's block
+    (group unset or 32) over a source storing Q4_0 / Q4_1 / Q4_K tensors (`stored`: name ->
+    storage type). The one rule for both sides: the plan keeps the grids by it, and
+    backends.Plan.model_options writes the model so that they survive."""
+    recipe = RECIPES.get(cfg.quantize) if cfg.quantize else None
+    return (recipe is not None and recipe.bits == 4 and cfg.group_size in (None, GRID_BLOCK)
+            and any(t in GRID_TYPES for t in (stored or {}).values()))
+
+
+def source_types(model, stored: dict) -> dict:
+    """Linear module name -> the source's storage type of its weight, and "embedding" -> the
+    table's; a tied head (no weight of its own in the source) takes the embedding's. A model that
+    renamed parameters at load (LFM2's split in_proj) says whose they were by `source_name`."""
+    source = getattr(model, "source_name", lambda name: name)
+    table = embedding_name(model)
+    embed = f"{table}.weight" if table is not None else None
+    out = {n: stored.get(source(f"{n}.weight")) for n, m in model.named_modules()
+           if isinstance(m, nn.Linear)}
+    if "lm_head" in out and out["lm_head"] is None:
+        out["lm_head"] = stored.get(embed)
+    out["embedding"] = stored.get(embed)
+    return {n: t for n, t in out.items() if t is not None}
+
+
+def embedding_name(model) -> str | None:
+    return next((n for n, m in model.named_modules() if isinstance(m, nn.Embedding)), None)
+
+
+def plan(model, cfg, stored: dict | None = None) -> Plan:
+    """The plan for `model` under cfg.quantize / cfg.embedding_quantize; `stored` maps HF
+    parameter names to the source's storage types (GGUF). Raises InputError when the recipe
+    would quantize nothing."""
+    types = source_types(model, stored or {})
+    four_bit = any((stored_bits(t) or 99) <= 4 for n, t in types.items() if n != "embedding")
+    recipe = RECIPES[cfg.quantize] if cfg.quantize else None
+    out = Plan(cfg.quantize, embeddings=cfg.embedding_quantize)
+    _plan_tables(out, model, cfg, recipe, types, four_bit)
+    if recipe is None:
+        return out
+    four_bit &= recipe.bits == 4
+    grids = keeps_source_grids(cfg, {n: t for n, t in types.items() if n != "embedding"})
+    out.group, out.dynamic = GRID_BLOCK if grids else group_of(cfg), recipe.dynamic
+    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    largest = max((m.weight.numel() for _, m in linears), default=0)
+    higher = []
+    for name, module in linears:
+        spared = four_bit and (stored_bits(types.get(name)) or 0) > 4
+        bits, group = (8, 0) if spared else (recipe.bits, out.group)
+        if group and module.in_features % group:
+            out.left_float.append(name)
+            continue
+        out.linears[name] = (bits, group)
+        if grids and types.get(name) in GRID_TYPES:
+            out.grids.append(name)
+        if spared:
+            higher.append((module.weight.numel() < largest, name))
+    out.at_8_bits += [name for _, name in sorted(higher, key=lambda h: h[0])]  # largest first
+    if not out.linears:
+        raise InputError(f"quantize: no linear layer's input width is a multiple of group_size "
+                         f"{out.group}; choose a group size that divides the hidden size, or 0 "
+                         "for per-channel")
+    return out
+
+
+def _plan_tables(out: Plan, model, cfg, recipe, types: dict, four_bit: bool) -> None:
+    """The embedding tables' bits: as asked; 8 per row where the source spared its table while
+    its linears are 4-bit; and where the head is the table, the 8 bits a 4-bit recipe gives a
+    spared head (as XNNPACK's separate head gets them), even when no table recipe was asked."""
+    spared = four_bit and (stored_bits(types.get("embedding")) or 0) > 4
+    head_is_table = getattr(model, "lm_head", None) is None
+    if cfg.embedding_quantize:
+        out.embedding = parse_embedding(cfg.embedding_quantize)
+        if out.embedding[0] == 4 and spared:
+            out.embedding, out.embeddings = (8, 0), "8,0"
+            out.embeddings_stored_as = types["embedding"]
+    elif head_is_table and recipe is not None and recipe.bits == 4 and spared:
+        out.embedding, out.embeddings = (8, 0), "8"
+        out.embeddings_stored_as = types["embedding"]
+        out.at_8_bits.append("lm_head")
+    if out.embedding is None:
+        return
+    out.head_in_table = head_is_table
+    group = out.embedding[1]
+    widths = [m.embedding_dim for m in model.modules() if isinstance(m, nn.Embedding)]
+    if group and widths and all(w % group for w in widths):
+        raise InputError(f"embedding_quantize: group {group} does not divide the embedding "
+                         "width; choose a group that divides the hidden size, or 0 per row")

@@ -1,0 +1,138 @@
+"""Quantization recipes: what each is, the torchao config that makes it, the accuracy it must keep,
+and what a recipe asks that a chain of backends cannot give (read from each backend's `recipes`,
+`refuses` and `quantized_embeddings`).
+
+Linear recipes:
+- `8da4w`, `8da8w`: 8-bit dynamic per-token activations, 4- or 8-bit weights
+  (`Int8DynamicActivationIntxWeightConfig`, HQQ scale search, like ExecuTorch `export_llm`'s
+  `qmode` of the same name). 4-bit is group-wise (128 unless given) or per channel (group 0);
+  8-bit is per channel.
+- `4w`, `8w`: weight-only (`IntxWeightOnlyConfig`, HQQ scales too). 4-bit defaults to blocks of
+  32 (export_llm's `b4w`); group 0 is per channel (`c4w`).
+
+Embeddings (`embedding_quantize: "BITS[,GROUP]"`, export_llm's syntax): weight-only 8- or 4-bit
+tables. Nothing here imports torch until a config is made.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Recipe:
+    bits: int
+    dynamic: bool  # 8-bit dynamic activations (else weight-only)
+    default_group: int  # 0: per channel
+    bounds: tuple[float, float]  # (min SQNR dB, min top-1) against the float model: verify checks
+    per_channel_only: str | None = None  # why a group size > 0 is refused, if it is
+
+
+RECIPES = {
+    "8da4w": Recipe(4, True, 128, (10.0, 0.6)),
+    "8da8w": Recipe(8, True, 0, (20.0, 0.8), per_channel_only=(
+        "XNNPACK quantizes 8-bit weights per channel only (group-wise kernels exist for 4-bit)")),
+    "4w": Recipe(4, False, 32, (10.0, 0.6)),
+    "8w": Recipe(8, False, 0, (20.0, 0.8)),
+}
+HQQ = "hqq_scale_only"  # every recipe's scale search, as export_llm's (its `use_hqq: true`)
+EMBEDDING_DEFAULT_GROUP = {8: 0, 4: 32}
+# bounds of an embedding recipe alone, and the margin a combined recipe loses
+EMBEDDING_BOUNDS = {8: (30.0, 0.9), 4: (15.0, 0.7)}
+
+
+def parse_embedding(text) -> tuple[int, int]:
+    """'8' | '4' | 'BITS,GROUP' -> (bits, group); raises ValueError naming what is allowed."""
+    parts = str(text).replace(" ", "").split(",")
+    try:
+        bits = int(parts[0])
+        group = int(parts[1]) if len(parts) == 2 else EMBEDDING_DEFAULT_GROUP.get(bits, 0)
+    except (ValueError, IndexError):
+        bits, group = None, None
+    if len(parts) > 2 or bits not in EMBEDDING_DEFAULT_GROUP or group is None or group < 0:
+        raise ValueError(f"embedding_quantize: {text!r} is not BITS[,GROUP] with BITS 8 or 4 and "
+                         "GROUP >= 0 (0: per row), e.g. '8' or '4,32'")
+    return bits, group
+
+
+def group_of(cfg) -> int:
+    return RECIPES[cfg.quantize].default_group if cfg.group_size is None else cfg.group_size
+
+
+def problems(cfg, chain, every) -> list[str]:
+    """Recipe choices the chain of backends (`chain`, Backend objects in order; `every`: all of
+    them, to say which take what) cannot honour, each with the reason (config validation)."""
+    out = []
+    first = chain[0] if chain else None
+    recipe = RECIPES.get(cfg.quantize) if cfg.quantize else None
+    if cfg.quantize is not None and recipe is None:
+        out.append(f"quantize: '{cfg.quantize}' is not one of {', '.join(RECIPES)}")
+    elif recipe and first:
+        out.extend(_chain_problems(cfg.quantize, chain, every))
+    if cfg.group_size is not None and cfg.quantize is None:
+        out.append(f"group_size: {cfg.group_size} is set but quantize is not; set quantize "
+                   f"(one of {', '.join(RECIPES)}) or drop group_size")
+    if isinstance(cfg.group_size, int) and cfg.group_size < 0:
+        out.append(f"group_size: {cfg.group_size} is negative; use 0 for per-channel")
+    elif recipe and recipe.per_channel_only and isinstance(cfg.group_size, int) \
+            and cfg.group_size > 0:
+        out.append(f"group_size: {cfg.group_size} with {cfg.quantize}; "
+                   f"{recipe.per_channel_only}: use group_size 0 or leave it unset")
+    if cfg.embedding_quantize is not None:
+        try:
+            parse_embedding(cfg.embedding_quantize)
+        except ValueError as e:
+            out.append(str(e))
+        else:
+            if first and not first.quantized_embeddings:
+                able = ", ".join(b.name for b in every if b.quantized_embeddings)
+                out.append(f"embedding_quantize: {first.name} has no quantized embedding kernels;"
+                           f" use one of {able} or drop it")
+    return out
+
+
+def _chain_problems(name: str, chain, every) -> list[str]:
+    """A recipe the first backend has no kernels for, or that a backend of the chain refuses."""
+    first = chain[0]
+    refusing = next((b for b in chain if name in b.refuses), None)
+    if name not in first.recipes and name not in first.refuses:
+        where, why = first.name, f"{first.name} has no kernels for it"
+    elif refusing is not None:
+        where = refusing.name + ("" if refusing is first else " (in the chain)")
+        why = refusing.refuses[name]
+    else:
+        return []
+    per_backend = "; ".join(f"{b.name}: {', '.join(b.recipes)}" for b in every if b.recipes)
+    return [f"quantize: {name} on {where}: {why}. Recipes per backend: {per_backend}"]
+
+
+def accuracy_bounds(cfg) -> tuple[float, float]:
+    """(min SQNR dB, min top-1) the quantized program must reach against the float model: the
+    looser of the linear and embedding recipes' bounds, 3 dB and 0.05 looser when both apply."""
+    bounds = []
+    if cfg.quantize:
+        bounds.append(RECIPES[cfg.quantize].bounds)
+    if cfg.embedding_quantize:
+        bounds.append(EMBEDDING_BOUNDS[parse_embedding(cfg.embedding_quantize)[0]])
+    sqnr, top1 = min(b[0] for b in bounds), min(b[1] for b in bounds)
+    return (sqnr - 3.0, round(top1 - 0.05, 2)) if len(bounds) > 1 else (sqnr, top1)
+
+
+def torchao_config(bits: int, group: int, dynamic: bool, algorithm: str = HQQ,
+                   exact: bool = False):
+    """The torchao config of a recipe: `exact` keeps a symmetric grid whose step is
+    max(-min / 8, max / 7) (SYMMETRIC_NO_CLIPPING_ERR), which HQQ's search would move."""
+    import torch
+    from torchao.quantization import Int8DynamicActivationIntxWeightConfig, IntxWeightOnlyConfig
+    from torchao.quantization.granularity import PerAxis, PerGroup
+    from torchao.quantization.quant_primitives import MappingType
+
+    dtype, granularity = (torch.int4 if bits == 4 else torch.int8,
+                          PerAxis(0) if group == 0 else PerGroup(group))
+    mapping = MappingType.SYMMETRIC_NO_CLIPPING_ERR if exact else MappingType.SYMMETRIC
+    if dynamic:
+        return Int8DynamicActivationIntxWeightConfig(
+            weight_dtype=dtype, weight_granularity=granularity, weight_mapping_type=mapping,
+            intx_choose_qparams_algorithm=algorithm)
+    return IntxWeightOnlyConfig(weight_dtype=dtype, granularity=granularity, mapping_type=mapping,
+                                intx_choose_qparams_algorithm=algorithm)

@@ -1,0 +1,95 @@
+"""Memory of a long export (edgellm/memory.py): checkpoint pages handed back unless written, the
+cycle collector set for the run and put back, cycles still freed."""
+
+import gc
+import os
+import weakref
+
+import pytest
+import torch
+
+from edgellm import memory
+from edgellm.cli import main
+from edgellm.config import ExportConfig
+
+
+def resident_kb(path) -> int:
+    """Rss of this process's mappings of `path`."""
+    total, inside = 0, False
+    for line in open("/proc/self/smaps"):
+        fields = line.split()
+        if "-" in fields[0] and not fields[0].endswith(":"):
+            inside = len(fields) > 5 and fields[5] == str(path)
+        elif inside and fields[0] == "Rss:":
+            total += int(fields[1])
+    return total
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="Linux only")
+def test_checkpoint_pages_are_dropped_unless_written(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    weights = {"a": torch.randn(512, 1024), "b": torch.randn(256, 1024)}
+    read, written = tmp_path / "read.safetensors", tmp_path / "written.safetensors"
+    save_file(weights, read)
+    save_file(weights, written)
+    mapped = load_file(read)
+    other = load_file(written)
+    other["b"][0, 0] = 1.0  # a private mapping's written page: dropping it would lose the write
+    assert float(sum(t.sum() for t in [*mapped.values(), *other.values()])) != 0  # every page
+    before = resident_kb(read.resolve())
+    assert before >= 3 * 1024
+    assert memory.drop_mapped_pages([read, written]) * 1024 >= before - 1024
+    assert resident_kb(read.resolve()) < 64 and resident_kb(written.resolve()) >= 3 * 1024
+    assert all(torch.equal(mapped[k], weights[k]) for k in weights)  # faulted back in
+    assert other["b"][0, 0] == 1.0
+    assert memory.drop_mapped_pages([]) == 0
+
+
+def test_export_sets_the_cycle_collector_for_its_run_and_puts_it_back(tiny_models, tmp_path,
+                                                                      monkeypatch):
+    """From the end of `load` the objects alive are frozen and young collections wait (see
+    memory.long_run_collector); the caller's collector comes back as it was, also when a stage
+    fails."""
+    from edgellm import pipeline
+
+    before, seen = gc.get_threshold(), []
+    monkeypatch.setattr(pipeline, "release_memory", lambda: seen.append(
+        (gc.get_freeze_count(), gc.get_threshold())))
+    model = str(tiny_models["llama"][0])
+    assert main(["export", model, "-o", str(tmp_path / "o"), "--max-seq-len", "16",
+                 "--backend", "coreml", "--no-verify"]) == 0
+    assert seen and all(n > 10_000 and t[0] == memory.YOUNG_COLLECTION_EVERY for n, t in seen)
+    assert gc.get_freeze_count() == 0 and gc.get_threshold() == before
+
+    def fail(*a, **k):
+        raise RuntimeError("lowering failed")
+
+    monkeypatch.setattr("edgellm.lower.lower", fail)  # export imports it when it runs
+    with pytest.raises(RuntimeError, match="lowering failed"):
+        pipeline.export(ExportConfig(model=model, output=str(tmp_path / "f"), max_seq_len=16,
+                                     backends=("coreml",), verify=False), quiet=True)
+    assert gc.get_freeze_count() == 0 and gc.get_threshold() == before
+
+
+def test_the_long_run_still_frees_the_cycles_it_drops_and_keeps_a_callers_freeze():
+    class Node:
+        pass
+
+    with memory.long_run_collector():
+        node = Node()
+        node.itself, node.payload = node, torch.zeros(1 << 20)
+        alive = weakref.ref(node)
+        del node
+        memory.release_memory()
+        assert alive() is None
+    gc.freeze()
+    frozen = gc.get_freeze_count()
+    try:
+        # neither frozen again (the count would grow by what was allocated since) nor thawed (0);
+        # frozen objects reference counting frees meanwhile make the count drop a little
+        with memory.long_run_collector():
+            assert 0 < gc.get_freeze_count() <= frozen
+        assert 0 < gc.get_freeze_count() <= frozen
+    finally:
+        gc.unfreeze()

@@ -1,0 +1,95 @@
+"""The package's shape: no import cycle, a cheap `import edgellm`, and facts where they belong
+(architectures named only under architectures/, backends compared only under backends/:
+test_backends.py)."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import edgellm
+
+PACKAGE = Path(edgellm.__file__).parent
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports(path: Path) -> set[str]:
+    """edgellm modules `path` imports, at any depth of its code (function-level imports too)."""
+    here = module_name(path)
+    package = here if path.name == "__init__.py" else here.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("edgellm"))
+        elif isinstance(node, ast.ImportFrom):
+            base = package
+            for _ in range(node.level - 1):
+                base = base.rpartition(".")[0]
+            target = (f"{base}.{node.module}" if node.module else base) if node.level else (
+                node.module or "")
+            if not target.startswith("edgellm"):
+                continue
+            for a in node.names:  # `from . import patches` imports the module, not the package
+                sub = PACKAGE.parent / target.replace(".", "/") / a.name
+                found.add(f"{target}.{a.name}" if sub.with_suffix(".py").is_file()
+                          or (sub / "__init__.py").is_file() else target)
+    return found - {here}
+
+
+def test_no_import_cycle_in_the_package():
+    graph = {module_name(p): imports(p) for p in PACKAGE.rglob("*.py")}
+    # a package's __init__ importing its own submodules is how re-exports work, not a cycle
+    # unless a submodule imports the package back
+    state, cycle = {}, []
+
+    def visit(node, path):
+        state[node] = "open"
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in graph:
+                continue
+            if state.get(nxt) == "open":
+                cycle.append(path + [nxt])
+            elif nxt not in state:
+                visit(nxt, path + [nxt])
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    assert cycle == [], " -> ".join(cycle[0])
+
+
+def test_importing_edgellm_imports_no_torch_nor_executorch():
+    code = ("import sys, edgellm, edgellm.config, edgellm.cli; "
+            "print(sorted(m for m in ('torch', 'executorch', 'coremltools', 'transformers') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.strip()
+    assert out == "[]"
+
+
+def test_nothing_in_sources_names_an_architecture():
+    """Architecture facts live with the architecture: the sources read them through the
+    registry, and no code (string or name) in sources/ spells a model_type or model class."""
+    from edgellm.architectures import every
+    from edgellm.architectures.registry import REFUSED_CLASSES
+
+    names = {a.model_type for a in every()} | set(REFUSED_CLASSES)
+    names |= {c for a in every() if a.executorch for c in a.executorch.model_classes}
+    found = []
+    for path in (PACKAGE / "sources").glob("*.py"):
+        tree = ast.parse(path.read_text())
+        docstrings = {id(n.body[0].value) for n in ast.walk(tree)
+                      if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef)) and n.body
+                      and isinstance(n.body[0], ast.Expr)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(
+                    node) not in docstrings and node.value.lower() in names:
+                found.append(f"{path.name}:{node.lineno}: {node.value!r}")
+            elif isinstance(node, ast.Name) and node.id.lower() in names:
+                found.append(f"{path.name}:{node.lineno}: {node.id}")
+    assert found == []

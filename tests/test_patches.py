@@ -1,0 +1,402 @@
+"""edgellm's patches of ExecuTorch, coremltools and torch internals (edgellm/patches/): each is
+written against the upstream function it replaces (a digest of its source, compared here: a test
+that fails when upstream changes), is switched by EDGELLM_NO_PATCHES, is not applied where it
+does not fit, and gives the bytes upstream's code gives; then what each patch does, unit by unit.
+"""
+
+import copy
+import io
+
+import numpy as np
+import pytest
+import torch
+
+import edgellm
+from conftest import SIZES
+from edgellm import patches
+from edgellm.errors import InputError
+
+
+def by_name(module: str) -> dict:
+    return {p.name.split(".", 1)[1]: p for p in patches.patches_of(module)}
+
+
+@pytest.fixture
+def xnnpack_patches():
+    """{name: Patch} of patches/xnnpack.py; upstream's code is back after the test."""
+    yield by_name("xnnpack")
+    for p in by_name("xnnpack").values():
+        p.restore()
+
+
+@pytest.fixture
+def coreml_patches():
+    yield by_name("coreml")
+    for p in by_name("coreml").values():
+        p.restore()
+
+
+@pytest.fixture
+def retraces(monkeypatch):
+    """A list that counts ExportPass retraces (its `call`) while a test runs."""
+    from executorch.exir.pass_base import _ExportPassBase
+
+    count, upstream = [], _ExportPassBase.call
+
+    def counting(self, graph_module):
+        count.append(type(self).__name__)
+        return upstream(self, graph_module)
+
+    monkeypatch.setattr(_ExportPassBase, "call", counting)
+    return count
+
+
+@pytest.fixture
+def torchao_patch():
+    patch = by_name("exir")["torchao_fake_runs"]
+    patch.restore()  # an export before this test installed it
+    yield patch
+    patch.restore()
+
+
+def test_every_patch_is_written_against_the_upstream_installed_here():
+    """A patch pins the upstream functions it replaces or relies on by a digest of their source.
+    When ExecuTorch, coremltools or torch change one, this fails naming it: read the new
+    function, check the patch still gives upstream's bytes, and update the digest."""
+    for patch in patches.everything():
+        assert patch.mismatched_versions() == [], patch.name
+        assert patch.changed() == [], (f"{patch.name}: upstream changed {patch.changed()}; found "
+                                       f"{ {p: patch.found[p] for p in patch.changed()} }")
+        assert patch.summary and patch.pins
+
+
+def test_a_patch_is_applied_only_where_it_fits(monkeypatch, xnnpack_patches):
+    shared = xnnpack_patches["shared_weights"]
+    assert patches.apply(["xnnpack.shared_weights"]) == {"xnnpack.shared_weights": "on"}
+    assert shared.installed()
+    pin = next(iter(shared.pins))
+    monkeypatch.setitem(shared.found, pin, "0" * 16)  # as if upstream had changed
+    assert patches.apply(["xnnpack.shared_weights"]) == {
+        "xnnpack.shared_weights": f"off: changed upstream: {pin}"}
+    assert not shared.installed()
+    monkeypatch.undo()
+    monkeypatch.setattr(patches, "installed_version", lambda dist: "1.6.0")
+    status = patches.apply(["xnnpack"])
+    assert set(status.values()) == {"off: executorch 1.6.0 (written for 1.5.x)"}
+    assert not any(p.installed() for p in xnnpack_patches.values())
+
+
+def test_the_environment_switches_patches_off(monkeypatch, xnnpack_patches):
+    monkeypatch.setenv(patches.SWITCH, "xnnpack.skip_retraces")
+    status = patches.apply(["xnnpack"])
+    assert status["xnnpack.skip_retraces"] == "off: EDGELLM_NO_PATCHES"
+    assert status["xnnpack.shared_weights"] == status["xnnpack.one_decomposition"] == "on"
+    monkeypatch.setenv(patches.SWITCH, "all")
+    assert set(patches.apply(["xnnpack", "exir"]).values()) == {"off: EDGELLM_NO_PATCHES"}
+    monkeypatch.setenv(patches.SWITCH, "xnnpack.shared_weight")
+    with pytest.raises(InputError, match=r"EDGELLM_NO_PATCHES='xnnpack.shared_weight' names no "
+                       r"patch: xnnpack.shared_weight\. Give 'all', a module \(xnnpack, coreml, "
+                       r"vulkan, exir\) or patch names: xnnpack.shared_weights, "):
+        patches.apply(["xnnpack"])
+
+
+@pytest.mark.parametrize("backend, options", [
+    ("xnnpack", {"quantize": "8da4w", "group_size": 128, "embedding_quantize": "4,32"}),
+    ("coreml", {}), ("coreml", {"quantize": "4w"})])
+def test_patched_lowering_gives_the_upstream_bytes(tiny_models, tmp_path, monkeypatch, backend,
+                                                   options):
+    """Every patch off (EDGELLM_NO_PATCHES=all), then on and the export verified: the same
+    model.pte (so the patches and verification change no byte, and the export repeats), and the
+    same delegate and debug-handle maps in the ETRecord. A 2-layer LFM2 (conv, attention) whose
+    XNNPACK recipe leaves its 64-wide linears in float (the in_proj chunks are views of one
+    weight), makes its 128-wide ones 8da4w (torchao's quantize ops) and its table 4-bit
+    (ExecuTorch's quant fusion)."""
+    from executorch.devtools.etrecord import parse_etrecord
+
+    folder = tiny_models["lfm2"][0].parent / "lfm2-2"
+    monkeypatch.setenv(patches.SWITCH, "all")
+    upstream = edgellm.export(folder, output=tmp_path / "upstream", quiet=True, backends=backend,
+                              etrecord=True, verify=False, **SIZES, **options)
+    assert set(upstream["patches"].values()) == {"off: EDGELLM_NO_PATCHES"}
+    monkeypatch.delenv(patches.SWITCH)
+    ours = tmp_path / "ours"
+    report = edgellm.export(folder, output=ours, quiet=True, backends=backend, etrecord=True,
+                            **SIZES, **options)
+    assert report["verify"]["passed"] and set(report["patches"].values()) == {"on"}
+    assert len(report["patches"]) == (4 if backend == "xnnpack" else 5)
+    if options.get("group_size") == 128:
+        q = report["quantization"]
+        assert q["linears_quantized"] == 2 and len(q["linears_left_float"]) == 13
+    theirs_pte, ours_pte = (f / "model.pte" for f in (tmp_path / "upstream", ours))
+    assert len(ours_pte.read_bytes()) > 10_000 and ours_pte.read_bytes() == theirs_pte.read_bytes()
+    theirs, mine = (parse_etrecord(str(f / "etrecord.bin")) for f in (tmp_path / "upstream", ours))
+    assert mine._delegate_map == theirs._delegate_map and mine._delegate_map
+    assert mine._debug_handle_map == theirs._debug_handle_map
+
+
+# --- xnnpack.shared_weights ---------------------------------------------------------------------
+
+from edgellm.patches import coreml, exir, xnnpack  # noqa: E402  (imports ExecuTorch's backends)
+
+
+def test_the_copy_shares_only_weights_that_own_their_storage(xnnpack_patches):
+    """A chunk of a fused weight (LFM2's in_proj) shares a storage three times its size: XNNPACK
+    would serialize all of it, so such a view is copied (compact) and a whole tensor shared."""
+    from executorch.backends.xnnpack.xnnpack_preprocess import XnnpackBackend
+
+    class Two(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            fused = torch.randn(12, 4)
+            self.whole = torch.nn.Parameter(torch.randn(4, 4))
+            self.first = torch.nn.Parameter(fused.chunk(3)[0])  # offset 0, storage 3x
+            self.middle = torch.nn.Parameter(fused.chunk(3)[1])  # offset 16
+
+        def forward(self, x):
+            return x @ self.whole + x @ self.first + x @ self.middle
+
+    ep = torch.export.export(Two(), (torch.randn(2, 4),))
+    xnnpack_patches["shared_weights"].install()
+    twin = XnnpackBackend.copy_exported_program_for_preprocess(ep, [])
+    assert twin.state_dict["whole"] is ep.state_dict["whole"]
+    for name in ("first", "middle"):
+        copied = twin.state_dict[name]
+        assert copied is not ep.state_dict[name] and torch.equal(copied, ep.state_dict[name])
+        assert copied.storage_offset() == 0 and copied.untyped_storage().nbytes() == 64
+    assert twin.graph_module is not ep.graph_module
+
+
+def test_tensor_backed_data_passes_through_the_store_and_the_cord(xnnpack_patches):
+    from executorch.exir._serialize._cord import Cord
+    from executorch.exir._serialize._named_data_store import NamedDataStore
+
+    weight = torch.randn(8, 16)
+    blob = bytes(weight.untyped_storage())
+    buffers = [blob]
+    assert xnnpack.back_with_weights(buffers, [weight[:4], torch.randn(8, 16), weight]) == 1
+    backed = buffers[0]
+    assert isinstance(backed, xnnpack.TensorBackedData) and copy.deepcopy(backed) is backed
+    assert len(backed) == len(blob) and backed.prefix(32) == blob[:32] and backed.equals(blob)
+    one, other = NamedDataStore(), NamedDataStore()
+    one.add_named_data("w", backed, alignment=16)
+    other.add_named_data("w_again", blob, alignment=16)
+    other.merge_named_data_store(one.get_named_data_store_output())  # dedup by sha256
+    assert len(other.buffers) == 1 and other.key_to_buffer_idx == {"w_again": 0, "w": 0}
+    out = io.BytesIO()
+    Cord(backed).write_to_file(out)
+    assert out.getvalue() == blob == backed.to_bytes()
+
+
+# --- xnnpack.skip_retraces and xnnpack.one_decomposition -----------------------------------
+
+
+def test_a_pass_that_rewrites_still_retraces_and_one_that_does_not_is_handed_back(
+        xnnpack_patches, retraces):
+    """The guard sits between a pass and ExportPass: an unchanged graph comes back as it is, a
+    changed one is retraced (its new node gets its shape); the graph preprocess received is
+    retraced whatever happens, as upstream's first retracing pass does."""
+    from executorch.backends.xnnpack._passes import XNNPACKPassManager
+    from executorch.exir.pass_base import ExportPass
+
+    class Finds(ExportPass):
+        rewrite = False
+
+        def call(self, graph_module):
+            if self.rewrite:  # x -> neg(x) before the output
+                out = graph_module.graph.output_node()
+                with graph_module.graph.inserting_before(out):
+                    neg = graph_module.graph.call_function(torch.ops.aten.neg.default,
+                                                           (out.args[0][0],))
+                out.args = ((neg,),)
+                graph_module.recompile()
+            return super().call(graph_module)
+
+    class Rewrites(Finds):
+        rewrite = True
+
+    def run(*passes):
+        ep = torch.export.export(torch.nn.Linear(4, 4), (torch.randn(2, 4),))
+        retraces.clear()
+        return XNNPACKPassManager(ep, passes=list(passes)).transform(), list(retraces)
+
+    xnnpack_patches["skip_retraces"].install()
+    ep, seen = run(Finds, Finds, Finds)
+    assert seen == ["Finds"]  # the first (the received graph); the other two handed back
+    ep, seen = run(Finds, Rewrites, Finds)
+    assert seen == ["Finds", "Rewrites"]
+    neg = [n for n in ep.graph.nodes if n.target == torch.ops.aten.neg.default]
+    assert len(neg) == 1 and neg[0].meta["val"].shape == (2, 4)  # retraced: shape known
+    x = torch.randn(2, 4)
+    assert torch.equal(ep.module()(x), -torch.nn.functional.linear(x, ep.state_dict["weight"],
+                                                                   ep.state_dict["bias"]))
+    xnnpack_patches["skip_retraces"].restore()
+    ep, seen = run(Finds, Finds, Finds)
+    assert seen == ["Finds"] * 3  # ExecuTorch's own manager retraces every time
+
+
+def test_the_partitioner_answers_without_a_check_only_when_every_node_passes(xnnpack_patches):
+    """XNNPACK's check accepts an fp32 linear and rejects an fp64 one: with every node accepted
+    ExecuTorch gets no check function (one decomposition instead of three), otherwise its own."""
+    def answer(dtype):
+        model = torch.nn.Sequential(torch.nn.Linear(8, 4)).to(dtype)
+        ep = torch.export.export(model, (torch.randn(2, 8, dtype=dtype),)).run_decompositions({})
+        from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+
+        return XnnpackPartitioner().ops_to_not_decompose(ep)
+
+    xnnpack_patches["one_decomposition"].install()
+    ops, check = answer(torch.float32)
+    assert check is None and torch.ops.aten.linear.default in ops
+    ops, check = answer(torch.float64)
+    assert check is not None and torch.ops.aten.linear.default in ops
+
+
+# --- exir.torchao_fake_runs -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("retracer", ["executorch", "torch.export"])
+def test_a_retrace_runs_each_torchao_op_once_per_shape(torchao_patch, monkeypatch, retracer):
+    """Two 8da4w linears of one shape: their torchao ops run on fake tensors once for both, in
+    the first retrace only; every node gets the metadata a full run gives; restore() undoes it.
+    Both pass bases ExecuTorch's lowering retraces with; edge-dialect targets too."""
+    from executorch.exir.dialects._ops import ops as exir_ops
+    from executorch.exir.pass_base import ExportPass
+    from torch._export.passes import ReplaceViewOpsWithViewCopyOpsPass
+    from torchao.quantization import quantize_
+
+    from edgellm.quantize.recipes import torchao_config
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    model.requires_grad_(False)  # as edgellm's models: a grad flag is part of the metadata
+    quantize_(model, torchao_config(4, 32, dynamic=True))
+    ep = torch.export.export(model, (torch.randn(3, 64),),
+                             dynamic_shapes=({0: torch.export.Dim("tokens", max=16)},))
+    ops = [n.target for n in ep.graph.nodes if exir.memoizable(n.target)]
+    assert len(ops) >= 6 and not exir.memoizable(torch.ops.aten.linear.default)
+    assert exir.memoizable(exir_ops.edge.torchao.choose_qparams_affine.default)
+    assert not exir.memoizable(exir_ops.edge.aten.linear.default)
+    Pass = ExportPass if retracer == "executorch" else ReplaceViewOpsWithViewCopyOpsPass
+    runs = []
+    upstream = torch.fx.Interpreter.call_function
+
+    def counting(self, target, args, kwargs):
+        if exir.memoizable(target):
+            runs.append(target)
+        return upstream(self, target, args, kwargs)
+
+    monkeypatch.setattr(torch.fx.Interpreter, "call_function", counting)
+
+    def retrace():
+        runs.clear()
+        gm = Pass()(ep.graph_module).graph_module
+        vals = [(str(n.target), tuple(map(str, n.meta["val"].shape)), n.meta["val"].dtype)
+                for n in gm.graph.nodes if exir.memoizable(n.target)
+                for v in [n.meta["val"]] if isinstance(v, torch.Tensor)]
+        return vals, len(runs)
+
+    full, n_full = retrace()
+    assert n_full == len(ops)  # ExecuTorch's ExportPass runs every one
+    torchao_patch.install()
+    first, n_first = retrace()
+    again, n_again = retrace()
+    assert first == again == full and full[0][1][0].startswith("s")  # symbolic tokens
+    assert n_first == len(ops) // 2 and n_again == 0
+    torchao_patch.restore()
+    assert not torchao_patch.installed() and retrace()[1] == len(ops)
+
+
+# --- coreml.* ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("values", [
+    np.float32(3.0), np.float32(70000.0), np.array([1e38, -np.inf, np.nan, 2.0], np.float32),
+    np.array([[1.0, -65504.0], [0.5, 65504.0]], np.float32),
+    np.array([[1.0, -65505.0]], np.float32), np.array([np.inf, 1e39], np.float32),
+    np.concatenate([np.zeros(3 << 20, np.float32), [7e4]]),  # past the first chunks
+    np.zeros((0, 4), np.float32)])
+def test_fp16_range_check_answers_as_coremltools_does(coreml_patches, values):
+    value = np.expand_dims(values, 0)  # coremltools 9.0's own test, verbatim
+    abs_value = np.abs(value)
+    upstream = np.max(abs_value[np.where(abs_value < 1e38)], initial=0.0) > 65504
+    assert coreml.exceeds_fp16(values) == upstream
+
+
+def test_the_copy_shares_every_weight_views_included(coreml_patches):
+    from executorch.backends.apple.coreml.compiler import CoreMLBackend
+
+    class Two(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.whole = torch.nn.Parameter(torch.randn(4, 4))
+            self.view = torch.nn.Parameter(torch.randn(12, 4).chunk(3)[1])
+
+        def forward(self, x):
+            return x @ self.whole + x @ self.view
+
+    ep = torch.export.export(Two(), (torch.randn(2, 4),))
+    coreml_patches["shared_weights"].install()
+    twin = CoreMLBackend.copy_exported_program_for_preprocess(ep, [])
+    assert all(twin.state_dict[k] is ep.state_dict[k] for k in ("whole", "view"))
+    assert twin.graph_module is not ep.graph_module
+
+
+def test_mil_pipelines_validate_once_and_still_catch_a_broken_pass(coreml_patches, monkeypatch):
+    """coremltools validates before a pipeline and after each pass; the patched pipeline once, after
+    its last pass, with that pass's check. A pass that breaks the program still fails."""
+    from coremltools.converters.mil.mil import Builder as mb
+    from coremltools.converters.mil.mil import Program, types
+    from coremltools.converters.mil.mil.block import InvalidBlockStateError
+    from coremltools.converters.mil.mil.passes.graph_pass import AbstractGraphPass
+    from coremltools.converters.mil.mil.passes.pass_pipeline import (PassPipeline,
+                                                                       PassPipelineManager)
+    from coremltools.converters.mil.mil.passes.pass_registry import PASS_REGISTRY
+
+    @mb.program(input_specs=[mb.TensorSpec(shape=(2, 3), dtype=types.fp32)])
+    def prog(x):
+        return mb.relu(x=mb.add(x=x, y=1.0))
+
+    checks = []
+    real = Program.validate
+    monkeypatch.setattr(Program, "validate",
+                        lambda self, check_essential_scope=False: checks.append(
+                            check_essential_scope) or real(self, check_essential_scope))
+    pipeline = PassPipeline.DEFAULT
+    coreml_patches["validate_once"].install()
+    PassPipelineManager.apply_pipeline(prog, pipeline)
+    assert pipeline.passes[-1] == "common::dead_code_elimination" and checks == [True]
+    coreml_patches["validate_once"].restore()
+    PassPipelineManager.apply_pipeline(prog, pipeline)
+    assert len(checks) == 2 + len(pipeline.passes)
+
+    class BreakIt(AbstractGraphPass):  # relu's input forgets that relu consumes it
+        def apply(self, program):
+            relu = program.functions["main"].find_ops(op_type="relu")[0]
+            relu.x._child_ops.remove(relu)
+
+    monkeypatch.setitem(PASS_REGISTRY.passes, "test::break_it", BreakIt)
+    broken = PassPipeline(pass_names=["test::break_it", "common::const_elimination"])
+    coreml_patches["validate_once"].install()
+    with pytest.raises(InvalidBlockStateError, match="should be consumed by op"):
+        PassPipelineManager.apply_pipeline(prog, broken)
+
+
+# --- vulkan.cached_patterns ----------------------------------------------------------------------
+
+
+def test_vulkan_pattern_graphs_are_built_once_and_are_upstreams():
+    """The registry's functions, cached: the same graphs (code) as upstream builds, the second
+    time without building anything."""
+    from executorch.backends.vulkan import patterns
+
+    patch = by_name("vulkan")["cached_patterns"]
+    patch.restore()
+    upstream = [g.code for g in patterns.all_fusable_graph_patterns()]
+    patch.install()
+    try:
+        first = patterns.all_fusable_graph_patterns()
+        assert [g.code for g in first] == upstream and len(upstream) >= 3
+        again = patterns.all_fusable_graph_patterns()
+        assert all(a is b for a, b in zip(first, again))
+    finally:
+        patch.restore()
+    assert not patch.installed()
