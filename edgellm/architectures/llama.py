@@ -236,6 +236,22 @@ def _config(p: dict, model_class: str, common: dict, tied: bool):
                        mlp_bias=False)
 
 
+def relative(model_type: str, summary: str, variant: Variant, family: str, *,
+             model_classes: tuple[str, ...], meta_names: dict, problems, config,
+             qkv_bias: bool = False) -> Architecture:
+    """The Architecture of a Llama-layout relative: these classes with `variant`, sliding-window
+    layers refused by `family`'s name, and its ExecuTorch layout (Meta's Llama names plus
+    `meta_names`)."""
+    return Architecture(
+        model_type=model_type, summary=summary, check=check,
+        build=lambda cfg, opts, dtype: build(cfg, opts, dtype, variant),
+        unsupported=lambda cfg: sliding_layers(cfg, family),
+        executorch=ExecuTorchLayout(
+            model_classes=model_classes, layer_names={**META_NAMES, **meta_names},
+            final_norm="model.norm.weight", problems=problems, config=config,
+            qkv_bias=qkv_bias))
+
+
 ARCHITECTURE = Architecture(
     model_type="llama", summary="Llama 3.x, SmolLM2 and other Llama-layout models",
     build=build, check=check, executorch=ExecuTorchLayout(

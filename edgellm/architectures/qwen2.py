@@ -5,15 +5,6 @@ the q, k and v projections (o has none). Sliding-window layers are refused, as f
 from __future__ import annotations
 
 from . import llama
-from .registry import Architecture, ExecuTorchLayout
-
-
-def unsupported(cfg) -> list[str]:
-    return llama.sliding_layers(cfg, "Qwen2")
-
-
-def build(cfg, opts, dtype):
-    return llama.build(cfg, opts, dtype, llama.Variant(qkv_bias=True))
 
 
 def _params_problems(p: dict, model_class: str) -> list[str]:
@@ -36,11 +27,9 @@ def _config(p: dict, model_class: str, common: dict, tied: bool):
                        tie_word_embeddings=tied)
 
 
-ARCHITECTURE = Architecture(
-    model_type="qwen2", summary="Qwen2 and Qwen2.5 (Llama layout with q, k and v biases)",
-    build=build, check=llama.check, unsupported=unsupported, executorch=ExecuTorchLayout(
-        model_classes=("qwen2_5_0_5b", "qwen2_5_1_5b", "qwen2_5_coder_32b"),
-        layer_names={**llama.META_NAMES,
-                     **{f"attention.w{x}.bias": f"self_attn.{x}_proj.bias" for x in "qkv"}},
-        final_norm="model.norm.weight", problems=_params_problems, config=_config,
-        qkv_bias=True))
+ARCHITECTURE = llama.relative(
+    "qwen2", "Qwen2 and Qwen2.5 (Llama layout with q, k and v biases)",
+    llama.Variant(qkv_bias=True), "Qwen2",
+    model_classes=("qwen2_5_0_5b", "qwen2_5_1_5b", "qwen2_5_coder_32b"),
+    meta_names={f"attention.w{x}.bias": f"self_attn.{x}_proj.bias" for x in "qkv"},
+    problems=_params_problems, config=_config, qkv_bias=True)

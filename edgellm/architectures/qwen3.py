@@ -9,15 +9,6 @@ refused: the static KV cache here keeps every position (llama.sliding_layers).
 from __future__ import annotations
 
 from . import llama
-from .registry import Architecture, ExecuTorchLayout
-
-
-def unsupported(cfg) -> list[str]:
-    return llama.sliding_layers(cfg, "Qwen3")
-
-
-def build(cfg, opts, dtype):
-    return llama.build(cfg, opts, dtype, llama.Variant(qk_norm=True))
 
 
 def _params_problems(p: dict, model_class: str) -> list[str]:
@@ -39,11 +30,9 @@ def _config(p: dict, model_class: str, common: dict, tied: bool):
                        attention_bias=False)
 
 
-ARCHITECTURE = Architecture(
-    model_type="qwen3", summary="Qwen3 dense models (Llama layout with per-head q and k norms)",
-    build=build, check=llama.check, unsupported=unsupported, executorch=ExecuTorchLayout(
-        model_classes=("qwen3_0_6b", "qwen3_1_7b", "qwen3_4b"),
-        layer_names={**llama.META_NAMES,
-                     "attention.q_norm_fn.weight": "self_attn.q_norm.weight",
-                     "attention.k_norm_fn.weight": "self_attn.k_norm.weight"},
-        final_norm="model.norm.weight", problems=_params_problems, config=_config))
+ARCHITECTURE = llama.relative(
+    "qwen3", "Qwen3 dense models (Llama layout with per-head q and k norms)",
+    llama.Variant(qk_norm=True), "Qwen3", model_classes=("qwen3_0_6b", "qwen3_1_7b", "qwen3_4b"),
+    meta_names={"attention.q_norm_fn.weight": "self_attn.q_norm.weight",
+                "attention.k_norm_fn.weight": "self_attn.k_norm.weight"},
+    problems=_params_problems, config=_config)
