@@ -5,7 +5,7 @@ transformers config (parameters on the meta device, Hugging Face names, state bu
 what in a config contradicts itself or is not supported, and, where ExecuTorch's `export_llm`
 has it, how its `.pth` checkpoints and params JSON map onto the same (`ExecuTorchLayout`). A
 module's forward is `forward(tokens[1, T], input_pos[1]) -> logits[1, vocab]` for the last token.
-Adding a Llama-layout family is one small file over llama.py's classes and its name in NAMES.
+Adding a Llama-layout family is one small file (`llama.relative`) and its name in NAMES.
 
 registry.py lists them; weights load in one place, loading.py; layers.py holds what several
 architectures share.
