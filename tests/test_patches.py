@@ -86,6 +86,18 @@ def test_a_patch_is_applied_only_where_it_fits(monkeypatch, xnnpack_patches):
     assert not any(p.installed() for p in xnnpack_patches.values())
 
 
+def test_patches_whose_module_cannot_import_are_off_not_an_error(monkeypatch):
+    """A future ExecuTorch that moved what a patch module imports: the export lowers as upstream
+    does and the report says why."""
+    def missing(module):
+        raise ImportError(f"cannot import name 'Moved' from executorch ({module})")
+
+    monkeypatch.setattr(patches, "patches_of", missing)
+    assert patches.apply(["vulkan"]) == {"vulkan": "off: vulkan patches do not import here "
+                                         "(ImportError: cannot import name 'Moved' from "
+                                         "executorch (vulkan))"}
+
+
 def test_the_environment_switches_patches_off(monkeypatch, xnnpack_patches):
     monkeypatch.setenv(patches.SWITCH, "xnnpack.skip_retraces")
     status = patches.apply(["xnnpack"])

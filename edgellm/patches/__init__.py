@@ -27,6 +27,7 @@ from typing import Callable
 from ..errors import InputError
 
 SWITCH = "EDGELLM_NO_PATCHES"
+MODULES = ("xnnpack", "coreml", "vulkan", "exir")
 
 
 @dataclass(frozen=True)
@@ -90,9 +91,6 @@ def switched_off() -> set[str]:
     return names
 
 
-MODULES = ("xnnpack", "coreml", "vulkan", "exir")
-
-
 def patches_of(module: str) -> tuple[Patch, ...]:
     return importlib.import_module(f"{__name__}.{module}").PATCHES
 
@@ -104,7 +102,12 @@ def apply(names) -> dict[str, str]:
     out = {}
     for name in names:
         module = name.split(".")[0]
-        for patch in patches_of(module):
+        try:
+            declared = patches_of(module)
+        except (ImportError, AttributeError) as e:  # what it patches is not there to patch
+            out[name] = f"off: {module} patches do not import here ({type(e).__name__}: {e})"
+            continue
+        for patch in declared:
             if patch.name != name and name != module:
                 continue
             why = _why_off(patch, off)
