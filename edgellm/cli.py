@@ -51,8 +51,7 @@ def export_options() -> list:
 
     from .config import ExportConfig
 
-    return [f for f in dataclasses.fields(ExportConfig)
-            if f.metadata.get("cli") and not f.metadata.get("internal")]
+    return [f for f in dataclasses.fields(ExportConfig) if f.metadata.get("cli")]
 
 
 def cmd_export(a) -> int:
@@ -231,8 +230,8 @@ def unrecognized(extra: list[str], command: str) -> str:
 
     text = f"unrecognized arguments: {' '.join(extra)}"
     if command == "export":
-        flags = [flag_of(f.name) for f in export_options()] + ["--config", "--quiet", "--json"]
-        flags += [f.metadata["flag"] for f in export_options() if f.metadata["flag"]]
+        flags = [f.metadata["flag"] or flag_of(f.name) for f in export_options()]
+        flags += ["--config", "--quiet", "--json"]
         for x in extra:
             close = difflib.get_close_matches(x.split("=")[0], flags, n=1)
             if x.startswith("--") and close:

@@ -163,12 +163,19 @@ def tiny_models(shared_dir):
         vocab = make_tokenizer(root / "tok")
         for arch, config in makers:
             save_model(config(vocab), root / arch)
-        save_model(tiny_lfm2_config(vocab, layers=2), root / "lfm2-2")  # test_patches.py
+        save_model(tiny_lfm2_config(vocab, layers=2), root / "lfm2-2")  # small_lfm2
 
     root.mkdir(exist_ok=True)
     made_once(root, make)
     return {arch: (root / arch, AutoModelForCausalLM.from_pretrained(root / arch).eval())
             for arch, _ in makers}
+
+
+@pytest.fixture(scope="session")
+def small_lfm2(tiny_models):
+    """The folder of a 2-layer LFM2 (a conv and an attention layer), made with the tiny models:
+    for tests that export without the patches, where every layer costs."""
+    return tiny_models["lfm2"][0].parent / "lfm2-2"
 
 
 @pytest.fixture(scope="session")

@@ -115,7 +115,7 @@ def test_the_environment_switches_patches_off(monkeypatch, xnnpack_patches):
 @pytest.mark.parametrize("backend, options", [
     ("xnnpack", {"quantize": "8da4w", "group_size": 128, "embedding_quantize": "4,32"}),
     ("coreml", {}), ("coreml", {"quantize": "4w"})])
-def test_patched_lowering_gives_the_upstream_bytes(tiny_models, tmp_path, monkeypatch, backend,
+def test_patched_lowering_gives_the_upstream_bytes(small_lfm2, tmp_path, monkeypatch, backend,
                                                    options):
     """Every patch off (EDGELLM_NO_PATCHES=all), then on and the export verified: the same
     model.pte (so the patches and verification change no byte, and the export repeats), and the
@@ -125,7 +125,7 @@ def test_patched_lowering_gives_the_upstream_bytes(tiny_models, tmp_path, monkey
     (ExecuTorch's quant fusion)."""
     from executorch.devtools.etrecord import parse_etrecord
 
-    folder = tiny_models["lfm2"][0].parent / "lfm2-2"
+    folder = small_lfm2
     monkeypatch.setenv(patches.SWITCH, "all")
     upstream = edgellm.export(folder, output=tmp_path / "upstream", quiet=True, backends=backend,
                               etrecord=True, verify=False, **SIZES, **options)

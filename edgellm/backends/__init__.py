@@ -1,8 +1,8 @@
 """Backends as data: what each needs from the model and the exporter, and its partitioners.
 
 Each backend is a file here that defines `BACKEND`, a `Backend` (base.py; coreml_payload.py
-is Core ML's payload reader, not a backend). The pipeline reads its
-fields and never branches on a backend's name. A chain (`coreml,xnnpack`) hands the partitioners to
+is Core ML's payload reader, not a backend). The pipeline reads its fields and never branches on
+a backend's name. A chain (`coreml,xnnpack`) hands the partitioners to
 `to_edge_transform_and_lower` as one ordered list; the first backend chooses how the model is
 written (it receives the graph first), and shapes are static if any backend needs them static.
 """

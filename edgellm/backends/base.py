@@ -41,7 +41,7 @@ class Backend:
     # come last when it must ("what <the backends after it> would see").
     delegates: bool = True
     goes_last: str | None = None
-    patches: tuple[str, ...] = ()  # edgellm.patches installed when its partitioners are made
+    patches: tuple[str, ...] = ()  # edgellm.patches its lowering runs with (the lower stage)
     # (export_llm's `backend.<name>` fields, without `enabled`) -> (options, {field: (recipe,
     # group_size)}, problems); fields it leaves in the mapping are refused by etconfig
     from_executorch: Callable | None = None
