@@ -87,10 +87,10 @@ def cmd_models(a) -> int:
     info = models()
     print("architectures (Hugging Face model_type):")
     for name, text in info["architectures"].items():
-        print(f"  {name:<10} {text}")
+        print(f"  {name:<12} {text}")
     print("backends (chain them in order, e.g. coreml,xnnpack):")
     for name, text in info["backends"].items():
-        print(f"  {name:<10} {text}")
+        print(f"  {name:<12} {text}")
     print("every architecture exports to every backend and chain (XNNPACK, the CPU fallback, "
           "goes last).")
     print("quantize (--quantize; --embedding-quantize 8 or 4,GROUP):")

@@ -51,6 +51,8 @@ class ExportConfig:
                                        "coreml,xnnpack (default xnnpack)", flag="--backend")
     max_seq_len: int = option(128, "longest prompt chunk one call takes (default 128)")
     max_context_len: int | None = option(None, "KV cache length (default max-seq-len)")
+    allow_long_context: bool = option(False, "allow a context (max-context-len, else "
+                                      "max-seq-len) beyond the model's max_position_embeddings")
     prefill_chunk: int = option(0, "also export a `prefill` method taking this many tokens per "
                                 "call (0: none)")
     dtype: str = option("fp32", "weights and activations (default fp32)", choices=tuple(DTYPES))

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .config import ExportConfig, torch_dtype
+from .errors import InputError
 from .memory import drop_checkpoint_pages
 from .progress import Stages
 
@@ -24,13 +25,14 @@ class Eager:
     model: object  # the eager module, quantized as the program will be
     quantized: object | None  # quantize.apply.Quantized, None without a recipe
     weight_bytes: int  # of weights one decode step reads
+    state: dict  # what the program keeps between calls, per layer (layers.state_report)
 
 
 def eager_model(cfg: ExportConfig, plan, stages: Stages,
                 made: Callable[[str, object], None] = lambda stage, product: None) -> Eager:
     """Load, build and quantize as `cfg` and the backends' `plan` ask, one timed stage each."""
     from .architectures import build_model
-    from .architectures.layers import weight_bytes
+    from .architectures.layers import state_report, weight_bytes
     from .sources import load_source
 
     with stages.stage("load"):
@@ -39,6 +41,12 @@ def eager_model(cfg: ExportConfig, plan, stages: Stages,
         source.bos_id = source.bos_id if cfg.bos_id is None else cfg.bos_id
         source.eos_ids = source.eos_ids if cfg.eos_ids is None else cfg.eos_ids
     made("load", source)
+    trained = getattr(source.hf_config, "max_position_embeddings", None)
+    if trained and cfg.context_len > trained and not cfg.allow_long_context:
+        raise InputError(f"A context of {cfg.context_len} is beyond the {trained} positions "
+                         f"the model was trained for (max_position_embeddings); past them its "
+                         "output is not what it was trained to give. Lower --max-context-len "
+                         "(or --max-seq-len), or pass --allow-long-context to export it anyway.")
     opts = plan.model_options(cfg, source.stored_types)
     with stages.stage("build"):
         model = build_model(source.hf_config, source.state_dict, opts, torch_dtype(cfg.dtype))
@@ -57,4 +65,4 @@ def eager_model(cfg: ExportConfig, plan, stages: Stages,
         for line in [] if stages.quiet else done.notes():
             print(line, file=sys.stderr, flush=True)
         made("quantize", model)
-    return Eager(source, model, done, weights)
+    return Eager(source, model, done, weights, state_report(model))

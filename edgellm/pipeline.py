@@ -154,6 +154,7 @@ def export(cfg: ExportConfig, quiet: bool = False) -> dict:
         pte_bytes = (tmp / "model.pte").stat().st_size
         rep = build_report(cfg, plan, source, lowered, stages, (files, pte_bytes))
         rep["delegates"], rep["weight_bytes_per_token"] = delegates, eager.weight_bytes
+        rep["state"] = eager.state
         rep["patches"] = applied
         if done:
             rep["quantization"] = done.report()

@@ -97,6 +97,8 @@ def markdown(r: dict) -> str:
              f"- program: {r['pte_bytes'] / 1e6:.1f} MB, max_seq_len {r['max_seq_len']}, "
              f"max_context_len {r['max_context_len']}, dynamic shapes {r['dynamic_shapes']}",
              f"- export: {r['wall_s']:.1f} s, peak RSS {r['peak_rss_mb']:.0f} MB",
+             *([f"- state between calls (KV caches, ring buffers, conv states): "
+                f"{r['state']['bytes'] / 1e6:.2f} MB"] if "state" in r else []),
              f"- deprecation warnings while lowering: {r['deprecation_warnings']}", ""]
     lines += ["| method | subgraphs | delegated nodes | non-delegated | non-delegated compute |",
               "|---|---|---|---|---|"]

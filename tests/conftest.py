@@ -91,6 +91,54 @@ def tiny_qwen2_config(vocab):
                        bos_token_id=0, eos_token_id=1)
 
 
+WINDOW = 8  # every tiny sliding-window layer's: a 40-token run wraps each ring several times
+LONG = dict(max_seq_len=16, max_context_len=48)  # sizes for runs past every window
+
+
+def tiny_family_configs(vocab) -> dict:
+    """{model_type: config} of the families beyond Llama, LFM2 and Qwen, each with what sets it
+    apart switched on: windows of WINDOW, per-layer-type RoPE, Granite's multipliers, Gemma's
+    soft cap and attention scale, Phi's partial rotary and LongRoPE past a short original
+    context (32), SmolLM3's NoPE layer."""
+    from transformers import (Gemma3TextConfig, GraniteConfig, Lfm3Config, MinistralConfig,
+                              MistralConfig, Olmo2Config, Phi3Config, SmolLM3Config)
+
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, bos_token_id=0,
+                  eos_token_id=1, pad_token_id=1)
+    windows = dict(sliding_window=WINDOW)
+    return {
+        "lfm3": Lfm3Config(**common, **windows, num_hidden_layers=3, head_dim=16,
+                           layer_types=["conv", "sliding_attention", "full_attention"]),
+        "gemma3_text": Gemma3TextConfig(
+            **{**common, "num_key_value_heads": 1}, **windows, num_hidden_layers=2, head_dim=16,
+            query_pre_attn_scalar=24, final_logit_softcapping=30.0,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                "rope_theta": 1e6},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
+        "mistral": MistralConfig(**common, **windows, num_hidden_layers=2),
+        "ministral": MinistralConfig(**common, **windows, num_hidden_layers=2, head_dim=16,
+                                     layer_types=["sliding_attention", "full_attention"]),
+        "smollm3": SmolLM3Config(**common, num_hidden_layers=2, no_rope_layer_interval=2),
+        "phi3": Phi3Config(
+            **{**common, "max_position_embeddings": 64}, **windows, num_hidden_layers=2,
+            original_max_position_embeddings=32,
+            rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                             "partial_rotary_factor": 0.75,
+                             "short_factor": [1.0, 1.2, 1.5, 2.0, 3.0, 4.0],
+                             "long_factor": [1.0, 2.0, 4.0, 8.0, 12.0, 16.0],
+                             "original_max_position_embeddings": 32}),
+        "granite": GraniteConfig(**common, num_hidden_layers=2, embedding_multiplier=12.0,
+                                 residual_multiplier=0.22, attention_multiplier=0.2,
+                                 logits_scaling=8.0),
+        "olmo2": Olmo2Config(**common, num_hidden_layers=2),
+    }
+
+
+FAMILIES = ("lfm3", "gemma3_text", "mistral", "ministral", "smollm3", "phi3", "granite", "olmo2")
+
+
 def q4_k_blocks(shape, seed=0):
     """(raw GGUF Q4_K bytes (rows, bytes per row), what gguf's own dequantizer reads from them):
     random blocks, fp16 scale and minimum per 256 weights, random 6-bit sub-block scales and
@@ -113,11 +161,11 @@ def save_model(config, folder):
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).eval()
-    if config.model_type in ("qwen2", "qwen3"):  # what transformers initializes to ones and
-        with torch.no_grad():                     # zeros would hide: q/k norms, q/k/v biases
+    if config.model_type not in ("lfm2", "llama"):  # what transformers initializes to ones
+        with torch.no_grad():           # (or zeros) would hide: norms, q/k/v biases
             for name, p in model.named_parameters():
                 if name.endswith("norm.weight"):
-                    p.copy_(1 + 0.3 * torch.randn(p.shape))
+                    p.add_(0.3 * torch.randn(p.shape))  # Gemma's are w - 1, from zeros
                 elif name.endswith(".bias"):
                     p.copy_(0.5 * torch.randn(p.shape))
     model.save_pretrained(folder)
@@ -151,13 +199,15 @@ def made_once(path, make) -> None:
 
 @pytest.fixture(scope="session")
 def tiny_models(shared_dir):
-    """{arch: (folder, transformers model)} for a mixed conv/attention LFM2, a Llama, a Qwen2
-    and a Qwen3."""
+    """{arch: (folder, transformers model)} for a mixed conv/attention LFM2, a Llama, a Qwen2,
+    a Qwen3 and each of FAMILIES."""
     from transformers import AutoModelForCausalLM
 
     root = shared_dir / "models"
     makers = (("lfm2", tiny_lfm2_config), ("llama", tiny_llama_config),
-              ("qwen2", tiny_qwen2_config), ("qwen3", tiny_qwen3_config))
+              ("qwen2", tiny_qwen2_config), ("qwen3", tiny_qwen3_config),
+              *((name, lambda vocab, name=name: tiny_family_configs(vocab)[name])
+                for name in FAMILIES))
 
     def make():
         vocab = make_tokenizer(root / "tok")

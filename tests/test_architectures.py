@@ -58,14 +58,24 @@ def test_lfm2_layer_types_must_match_layer_count(tiny_models, tmp_path):
         load_source(str(tmp_path / "m"))
 
 
-def test_qwen3_with_sliding_window_layers_is_refused_by_name(tiny_models):
-    """Qwen3's sliding window applies from max_window_layers on; the static cache keeps every
-    position, so such a model is refused rather than exported with other numerics."""
+def test_qwen3_sliding_window_layers_keep_ring_buffers(tiny_models):
+    """Qwen3 with use_sliding_window (which released checkpoints leave off) slides from
+    max_window_layers on; such layers keep a ring of their window and match transformers past
+    it."""
     import copy
+
+    from transformers import AutoModelForCausalLM
 
     _, hf = tiny_models["qwen3"]
     cfg = copy.deepcopy(hf.config)
-    cfg.use_sliding_window, cfg.layer_types = True, ["full_attention", "sliding_attention"]
-    with pytest.raises(InputError, match=r"config\.json asks for what edgellm cannot export: "
-                       r"sliding-window attention in layers \[1\] \(use_sliding_window\)"):
-        build_model(cfg, hf.state_dict(), ModelOptions(64), torch.float32)
+    cfg.use_sliding_window, cfg.sliding_window = True, 4
+    cfg.layer_types = ["full_attention", "sliding_attention"]
+    sliding = AutoModelForCausalLM.from_config(cfg).eval()
+    sliding.load_state_dict(hf.state_dict())
+    prompt = list(range(2, 8))
+    tokens, expected = reference_run(sliding, prompt, steps=12)
+    model = build_model(cfg, hf.state_dict(), ModelOptions(32, max_call_len=8), torch.float32)
+    assert model.model.layers[1].self_attn.cache.k_cache.shape[2] == 4 + 8 - 1  # (1, kv, slots, D)
+    with torch.no_grad():
+        actual = cached_run(model, prompt, tokens)
+    assert_logits_close(actual, expected, atol=1e-4, what="qwen3 sliding")

@@ -8,11 +8,13 @@ model is written decides what a backend receives (see ../shared/reference/loweri
 - Attention keeps a static KV cache per layer as mutable buffers, written either with ExecuTorch's
   `llama::update_cache` / `llama::custom_sdpa` ops or with `index_put_` and ATen SDPA, where the
   query heads are grouped against the unexpanded cache instead of repeating K and V.
+- A sliding-window layer keeps a ring buffer of its window instead (`KVCache` with a window):
+  position p lives in slot p mod R, written in place, and the mask says which slots are in reach.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -27,6 +29,7 @@ class ModelOptions:
     """How to write the model for a backend, and the sizes of its state."""
 
     max_context_len: int = 128
+    max_call_len: int = 128  # the most tokens one call takes (ring buffers hold window + this - 1)
     attention: str = "sdpa"
     norm: str = "mean"
     state_write: str = "copy"  # how recurrent state is written back: "copy" or "index_put"
@@ -45,8 +48,32 @@ class Step:
     start_int: object  # input_pos as an int (SymInt under export) for the custom ops, else None
     keep: torch.Tensor  # () 0 when this call starts a sequence (input_pos == 0), else 1
     mask: torch.Tensor | None  # (T, ctx) additive attention mask ("sdpa" attention)
-    rope: Callable  # x (1, T, heads, D) -> x rotated for these positions
+    ropes: dict  # rotation kind (FULL, or a layer type with its own RoPE) -> x (1, T, heads, D)
+    #              -> x rotated for these positions
     single: bool  # T is fixed at 1 in this program (a static decode step)
+    dtype: torch.dtype = torch.float32
+    ring_masks: dict = field(default_factory=dict)  # (ring, window) -> ring_mask, made once
+
+    @property
+    def rope(self) -> Callable:
+        return self.ropes[FULL]
+
+    def ring_mask(self, ring: int, window: int) -> torch.Tensor:
+        """(T, ring) additive mask of a ring buffer of `ring` slots after this call's write: slot
+        s holds the latest position p <= the call's last with p = s (mod ring); query i sees it
+        when it is written (p >= 0), not in its future, and within `window` positions back. Made
+        once per call for every layer with the same ring and window."""
+        if (ring, window) not in self.ring_masks:
+            last = self.positions[-1:]
+            held = last - (last - torch.arange(ring)) % ring  # (ring,)
+            back = self.positions[:, None] - held[None, :]  # (T, ring)
+            reach = (held >= 0) & (back >= 0) & (back < window)
+            self.ring_masks[ring, window] = torch.zeros(reach.shape, dtype=self.dtype).masked_fill(
+                ~reach, float("-inf"))
+        return self.ring_masks[ring, window]
+
+
+FULL = "full_attention"  # the rotation of a model with one RoPE, and of its full-attention layers
 
 
 class RMSNorm(nn.Module):
@@ -101,17 +128,23 @@ class Rope(nn.Module):
     """
 
     def __init__(self, inv_freq: torch.Tensor, scaling: float, max_context_len: int,
-                 mode: str = "rotate"):
+                 mode: str = "rotate", head_dim: int | None = None, long: tuple | None = None):
+        """`head_dim` beyond 2 * len(inv_freq): partial rotary (Phi-3), the rest of each head passes
+        unrotated (cos 1, sin 0). `long`: (inv_freq, first position) of LongRoPE, whose positions
+        from the original context on rotate with the long factors."""
         super().__init__()
         self.mode = mode
         pos = torch.arange(max_context_len, dtype=torch.float32)
         freqs = torch.outer(pos, inv_freq.float())
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # (ctx, 1, head_dim)
-        self.register_buffer("cos", emb.cos() * scaling, persistent=False)
-        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
-        d = emb.shape[-1]
-        half = d // 2
-        rot = torch.zeros(d, d)  # rotate_half(x) == x @ rot.T: [-x2, x1]
+        if long is not None:
+            freqs[long[1]:] = torch.outer(pos[long[1]:], long[0].float())
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # (ctx, 1, rotated dims)
+        half, d = emb.shape[-1] // 2, head_dim or emb.shape[-1]
+        pad = d - 2 * half
+        self.register_buffer("cos", F.pad(emb.cos() * scaling, (0, pad), value=1.0),
+                             persistent=False)
+        self.register_buffer("sin", F.pad(emb.sin() * scaling, (0, pad)), persistent=False)
+        rot = torch.zeros(d, d)  # rotate_half(x) == x @ rot.T: [-x2, x1] over the rotated dims
         rot[torch.arange(half), torch.arange(half) + half] = -1.0
         rot[torch.arange(half) + half, torch.arange(half)] = 1.0
         self.register_buffer("rot", rot, persistent=False)
@@ -143,17 +176,19 @@ def split_heads(x: torch.Tensor, n: int, head_dim: int, step: Step) -> torch.Ten
     return x.view(1, -1, n, head_dim)  # -1, not a symbolic T: XNNPACK takes only static views
 
 
-def fused_qk(attn: nn.Module, x: torch.Tensor, step: Step) -> tuple:
+def fused_qk(attn: nn.Module, x: torch.Tensor, step: Step, rope: Callable) -> tuple:
     """q and k of an attention whose q and k heads are normalized before RoPE (LFM2, Qwen3),
     written as one: `attn.qk_proj` (q_proj and k_proj concatenated at load time), one weightless
     RMSNorm over every head (`attn.qk_layernorm`), one per-head weight multiply (`attn.qk_weight`,
     (H + n_kv, 1, D)) and one RoPE. Core ML then receives one guarded norm per attention layer
-    instead of two. Returns (q, k) as split_heads lays them out."""
+    instead of two. `rope` rotates (None: a layer without RoPE). Returns (q, k) as split_heads
+    lays them out."""
     n, kv, d = attn.n_heads, attn.n_kv, attn.head_dim
     qk = split_heads(attn.qk_proj(x), n + kv, d, step)
     axis = heads_axis(step)  # (1, H+n_kv, 1, D) or (1, T, H+n_kv, D)
     weight = attn.qk_weight if axis == 1 else attn.qk_weight.squeeze(1)
-    qk = step.rope(attn.qk_layernorm(qk) * weight)
+    qk = attn.qk_layernorm(qk) * weight
+    qk = rope(qk) if rope is not None else qk
     return qk.narrow(axis, 0, n), qk.narrow(axis, n, kv)
 
 
@@ -182,6 +217,16 @@ def write_at(buffer: torch.Tensor, dim: int, index: torch.Tensor, values: torch.
     torch.ops.aten.index_put_(buffer, [None] * dim + [index], values)
 
 
+def ring_slots(window: int | None, opts: ModelOptions) -> int:
+    """Cache length of an attention layer: max_context_len, or for a sliding window shorter than
+    that the ring of window + max_call_len - 1 slots. A call's tokens then never overwrite a
+    position one of them still sees: query p needs p - window + 1 .. p, and the call's writes
+    evict only positions before its first query's window."""
+    if window is None or window >= opts.max_context_len:
+        return opts.max_context_len
+    return min(opts.max_context_len, window + opts.max_call_len - 1)
+
+
 class KVCache(nn.Module):
     """A static cache for one attention layer, attention included, batch 1.
 
@@ -189,12 +234,19 @@ class KVCache(nn.Module):
     llama::custom_sdpa, which handles grouped heads and the causal mask itself.
     "sdpa": caches (1, n_kv, ctx, D), written by index_put_; queries are grouped per KV head as
     (1, n_kv, n_rep*T, D) so SDPA sees equal head counts without repeating K and V.
+
+    With a `window` shorter than the context (a sliding-window layer), ctx is the ring's length
+    (ring_slots): a call writes its tokens at slot position mod ring in place (one
+    llama::update_cache_with_indices or index_put_ per cache) and attends through
+    Step.ring_mask. `scale` replaces SDPA's 1/sqrt(D) (Gemma 3, Granite).
     """
 
-    def __init__(self, n_heads: int, n_kv: int, head_dim: int, opts: ModelOptions, dtype):
+    def __init__(self, n_heads: int, n_kv: int, head_dim: int, opts: ModelOptions, dtype,
+                 window: int | None = None, scale: float | None = None):
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = n_heads, n_kv, head_dim
-        self.mode, self.ctx = opts.attention, opts.max_context_len
+        self.mode, self.ctx, self.scale = opts.attention, ring_slots(window, opts), scale
+        self.window = window if window is not None and window < opts.max_context_len else None
         if self.mode == "custom_ops":
             import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401  registers llama::
         shape = ((1, self.ctx, n_kv, head_dim) if self.mode == "custom_ops"
@@ -204,11 +256,13 @@ class KVCache(nn.Module):
 
     def forward(self, q, k, v, step: Step) -> torch.Tensor:
         """q, k and v from split_heads -> attention output (1, T, H*D)."""
+        if self.window is not None:
+            return self._windowed(q, k, v, step)
         if self.mode == "custom_ops":  # (1, T, heads, D)
             torch.ops.llama.update_cache(k, self.k_cache, step.start_int)
             torch.ops.llama.update_cache(v, self.v_cache, step.start_int)
             out = torch.ops.llama.custom_sdpa(q, self.k_cache, self.v_cache, step.start_int,
-                                              None, 0.0, True, None)
+                                              None, 0.0, True, self.scale)
             return out.view(1, -1, self.n_heads * self.head_dim)
         k, v = to_heads(k, step), to_heads(v, step)
         if step.start_int is None:  # index_put_: one MIL slice_update on Core ML
@@ -217,15 +271,33 @@ class KVCache(nn.Module):
         else:  # several tokens, a fixed number: coremltools' index_put takes one index only
             self.k_cache.narrow(2, step.start_int, k.shape[2]).copy_(k)
             self.v_cache.narrow(2, step.start_int, v.shape[2]).copy_(v)
+        return self._grouped_sdpa(q, step, step.mask)
+
+    def _windowed(self, q, k, v, step: Step) -> torch.Tensor:
+        slots = step.positions % self.ctx  # (T,): T <= max_call_len <= ring, so all distinct
+        mask = step.ring_mask(self.ctx, self.window)
+        if self.mode == "custom_ops":
+            index = slots[None, :]
+            torch.ops.llama.update_cache_with_indices(k, self.k_cache, 0, index)
+            torch.ops.llama.update_cache_with_indices(v, self.v_cache, 0, index)
+            out = torch.ops.llama.custom_sdpa(q, self.k_cache, self.v_cache, 0, mask, 0.0, False,
+                                              self.scale)
+            return out.view(1, -1, self.n_heads * self.head_dim)
+        write_at(self.k_cache, 2, slots, to_heads(k, step))
+        write_at(self.v_cache, 2, slots, to_heads(v, step))
+        return self._grouped_sdpa(q, step, mask)
+
+    def _grouped_sdpa(self, q, step: Step, mask: torch.Tensor) -> torch.Tensor:
         n_rep = self.n_heads // self.n_kv
         T = step.positions.shape[0]
         if step.single:  # q (1, H, 1, D) is (1, n_kv, n_rep, D); the (1, ctx) mask broadcasts
             out = F.scaled_dot_product_attention(q.view(1, self.n_kv, n_rep, self.head_dim),
-                                                 self.k_cache, self.v_cache, attn_mask=step.mask)
+                                                 self.k_cache, self.v_cache, attn_mask=mask,
+                                                 scale=self.scale)
             return merge_heads(out, n_rep).reshape(1, 1, -1)
         q = q.transpose(1, 2).reshape(1, self.n_kv, n_rep * T, self.head_dim)
         out = F.scaled_dot_product_attention(q, self.k_cache, self.v_cache,
-                                             attn_mask=step.mask.repeat(n_rep, 1))
+                                             attn_mask=mask.repeat(n_rep, 1), scale=self.scale)
         # (1, n_kv, n_rep*T, D) -> (1, n_kv, n_rep, T, D) -> (1, T, H*D)
         out = out.view(1, self.n_kv, n_rep, T, self.head_dim).permute(0, 3, 1, 2, 4)
         return merge_heads(out, n_rep).reshape(1, T, -1)
@@ -239,7 +311,8 @@ def merge_heads(out: torch.Tensor, n_rep: int) -> torch.Tensor:
     return out.clone(memory_format=torch.contiguous_format) if n_rep > 1 else out
 
 
-def make_step(input_pos: torch.Tensor, T: int, opts: ModelOptions, rope: Rope, dtype) -> Step:
+def make_step(input_pos: torch.Tensor, T: int, opts: ModelOptions, ropes: dict, dtype) -> Step:
+    """The per-call values; `ropes`: rotation kind -> Rope (see Step.ropes)."""
     start_int = mask = None
     single = isinstance(T, int) and T == 1
     # the custom ops, and cache writes of a fixed number of tokens > 1, take the start as an int
@@ -253,7 +326,8 @@ def make_step(input_pos: torch.Tensor, T: int, opts: ModelOptions, rope: Rope, d
         mask = torch.zeros(future.shape, dtype=dtype).masked_fill(future, float("-inf"))
     keep = (input_pos[0] != 0).to(dtype)
     return Step(positions=positions, start_int=start_int, keep=keep, mask=mask,
-                rope=rope.prepare(positions, dtype), single=single)
+                ropes={kind: r.prepare(positions, dtype) for kind, r in ropes.items()},
+                single=single, dtype=dtype)
 
 
 def head_weight(lm: nn.Module) -> torch.Tensor:
@@ -277,6 +351,23 @@ def weight_bytes(lm: nn.Module) -> int:
     return total
 
 
+STATE = ("k_cache", "v_cache", "conv_state")  # the buffers a program keeps between calls
+
+
+def state_report(lm: nn.Module) -> dict:
+    """What the program keeps between calls, layer by layer: each KV cache's (a ring buffer's,
+    for a sliding window) and conv state's shape, the window, and the bytes; and the total."""
+    layers = []
+    for i, layer in enumerate(lm.model.layers):
+        cache = next((m for m in layer.modules() if isinstance(m, KVCache)), None)
+        buffers = {n.rsplit(".", 1)[-1]: b for n, b in layer.named_buffers()
+                   if n.endswith(STATE)}
+        layers.append({"layer": i, "window": cache.window if cache else None,
+                       **{k: list(b.shape) for k, b in buffers.items()},
+                       "bytes": sum(b.numel() * b.element_size() for b in buffers.values())})
+    return {"layers": layers, "bytes": sum(row["bytes"] for row in layers)}
+
+
 def separate_tied_head(lm: nn.Module) -> None:
     """Give a tied head its own Parameter over the embedding's storage (no copy). XNNPACK puts a
     linear whose weight the (undelegated) embedding also reads into a partition of its own; as
@@ -292,13 +383,19 @@ def run_decoder(lm: nn.Module, tokens: torch.Tensor, input_pos: torch.Tensor, fi
     """The top of every architecture: embed, every layer, final norm and head on the last token.
     Only the last token's logits leave the program, so the last layer's feed-forward runs on that
     token alone (its mixer still sees every token: they fill the caches). `lm` has `.opts`,
-    `.rope` and `.model` with `embed_tokens` and `layers`, whose forward takes `last_only`."""
+    `.model` with `embed_tokens` and `layers`, whose forward takes `last_only`, and its rotary
+    tables as `.ropes` (kind -> Rope) or one `.rope`."""
     x = lm.model.embed_tokens(tokens)  # (1, T, hidden)
-    step = make_step(input_pos, tokens.shape[1], lm.opts, lm.rope, x.dtype)
+    if getattr(lm, "embed_scale", None) is not None:  # Gemma's sqrt(hidden), Granite's multiplier
+        x = x * lm.embed_scale
+    ropes = getattr(lm, "ropes", None) or {FULL: lm.rope}
+    step = make_step(input_pos, tokens.shape[1], lm.opts, ropes, x.dtype)
     *layers, last = lm.model.layers
     for layer in layers:
         x = layer(x, step)
     # a select, not a slice: XNNPACK leaves either out, and after a select the feed-forward, final
     # norm and head share one delegate; a static one-token step has nothing to drop
     x = last(x, step, last_only=True) if not step.single else last(x, step)[:, -1, :]
-    return F.linear(final_norm(x), head)  # (1, vocab)
+    logits = F.linear(final_norm(x), head)  # (1, vocab)
+    finish = getattr(lm, "finish_logits", None)  # Granite's scaling, Gemma's soft cap
+    return finish(logits) if finish is not None else logits

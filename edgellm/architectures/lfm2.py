@@ -45,7 +45,7 @@ def check(cfg) -> list[str]:
 
 def ffn_width(cfg) -> int:
     width = cfg.intermediate_size
-    if cfg.block_auto_adjust_ff_dim:
+    if getattr(cfg, "block_auto_adjust_ff_dim", False):  # LFM3 has no such field
         width = int(2 * width / 3)
         if cfg.block_ffn_dim_multiplier is not None:
             width = int(cfg.block_ffn_dim_multiplier * width)
@@ -79,7 +79,7 @@ class Attention(nn.Module):
     def forward(self, x, step):
         v = split_heads(self.v_proj(x), self.n_kv, self.head_dim, step)
         if self.fused:
-            q, k = fused_qk(self, x, step)
+            q, k = fused_qk(self, x, step, step.rope)
         else:
             q = self.q_layernorm(split_heads(self.q_proj(x), self.n_heads, self.head_dim, step))
             k = self.k_layernorm(split_heads(self.k_proj(x), self.n_kv, self.head_dim, step))
@@ -159,46 +159,64 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg, kind: str, opts: ModelOptions, dtype):
+    """A conv or attention block, then the feed-forward. `attention` makes the attention (LFM3's,
+    llama.Attention with a gate); `sandwich` adds LFM3's norms after each branch."""
+
+    def __init__(self, cfg, kind: str, opts: ModelOptions, dtype, attention=None,
+                 sandwich: bool = False):
         super().__init__()
         self.is_attention = kind != "conv"
         if self.is_attention:
-            self.self_attn = Attention(cfg, opts, dtype)
+            self.self_attn = attention() if attention else Attention(cfg, opts, dtype)
         else:
             self.conv = ShortConv(cfg, opts, dtype)
         self.feed_forward = MLP(cfg)
         affine = not opts.fold_norms
         self.operator_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, opts.norm, affine)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, opts.norm, affine)
+        self.sandwich = sandwich
+        if sandwich:
+            self.post_operator_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, opts.norm)
+            self.post_ffn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, opts.norm)
 
     def forward(self, x, step, last_only: bool = False):
         h = self.operator_norm(x)
         h = self.self_attn(h, step) if self.is_attention else self.conv(h, step)
-        x = x + h
+        x = x + (self.post_operator_norm(h) if self.sandwich else h)
         x = x[:, -1] if last_only else x  # run_decoder: (1, hidden), the last token
-        return x + self.feed_forward(self.ffn_norm(x))
+        h = self.feed_forward(self.ffn_norm(x))
+        return x + (self.post_ffn_norm(h) if self.sandwich else h)
 
 
 class Backbone(nn.Module):
-    def __init__(self, cfg, opts: ModelOptions, dtype):
+    def __init__(self, cfg, opts: ModelOptions, dtype, layer=None):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, kind, opts, dtype)
-                                    for kind in cfg.layer_types)
+        layer = layer or (lambda i, kind: DecoderLayer(cfg, kind, opts, dtype))
+        self.layers = nn.ModuleList(layer(i, kind) for i, kind in enumerate(cfg.layer_types))
         self.embedding_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, opts.norm)
 
 
 class Lfm2ForCausalLM(nn.Module):
-    def __init__(self, cfg, opts: ModelOptions, dtype):
+    """LFM2; LFM3 (lfm3.py) gives its own layers (`layer`: (index, kind) -> DecoderLayer), its
+    rotary tables (`ropes`) and the names of its q and k norms."""
+
+    family = "LFM2"
+    qk_norms = ("q_layernorm", "k_layernorm")
+
+    def __init__(self, cfg, opts: ModelOptions, dtype, layer=None, ropes: dict | None = None):
         super().__init__()
         from transformers.models.lfm2.modeling_lfm2 import Lfm2RotaryEmbedding
 
         self.opts, self.hidden = opts, cfg.hidden_size
-        self.model = Backbone(cfg, opts, dtype)
-        with torch.device("cpu"):
-            hf_rope = Lfm2RotaryEmbedding(cfg)
-            self.rope = Rope(hf_rope.inv_freq, hf_rope.attention_scaling, opts.max_context_len,
-                             opts.rope)
+        self.model = Backbone(cfg, opts, dtype, layer)
+        if ropes:
+            self.ropes = nn.ModuleDict(ropes)
+        else:
+            with torch.device("cpu"):
+                hf_rope = Lfm2RotaryEmbedding(cfg)
+                self.rope = Rope(hf_rope.inv_freq, hf_rope.attention_scaling,
+                                 opts.max_context_len, opts.rope)
         self.state_dict_hooks = (self._split_in_proj, self._drop_tied_head)
         if opts.conv == "window":
             self.state_dict_hooks += (self._time_major_conv,)
@@ -238,7 +256,8 @@ class Lfm2ForCausalLM(nn.Module):
         """Each block's two norms feed only linears: fold their weights into them."""
         for i, layer in enumerate(self.model.layers):
             p = f"model.layers.{i}"
-            mixer = ([f"{p}.self_attn.{n}_proj" for n in "qkv"] if layer.is_attention
+            mixer = ([f"{p}.self_attn.{n}_proj" for n in "qkvg"
+                      if n != "g" or hasattr(layer.self_attn, "g_proj")] if layer.is_attention
                      else [f"{p}.conv.{n}_proj" for n in ("b", "c", "x")])
             fold_norm(sd, f"{p}.operator_norm", mixer)
             fold_norm(sd, f"{p}.ffn_norm", [f"{p}.feed_forward.w1", f"{p}.feed_forward.w3"])
@@ -247,17 +266,17 @@ class Lfm2ForCausalLM(nn.Module):
         for i, layer in enumerate(self.model.layers):
             if layer.is_attention:
                 attn = layer.self_attn
-                fuse_qk_weights(sd, f"model.layers.{i}.self_attn", ("q_layernorm", "k_layernorm"),
-                                attn.n_heads, attn.n_kv)
+                fuse_qk_weights(sd, f"model.layers.{i}.self_attn", self.qk_norms, attn.n_heads,
+                                attn.n_kv)
 
-    @staticmethod
-    def _drop_tied_head(sd: dict) -> None:
+    def _drop_tied_head(self, sd: dict) -> None:
         """LFM2 ties the head to embed_tokens; a checkpoint may still store a copy of it."""
         head, embed = sd.pop("lm_head.weight", None), sd.get("model.embed_tokens.weight")
         if head is not None and embed is not None and not torch.equal(head, embed):
-            raise InputError("Checkpoint tensor lm_head.weight differs from "
-                             "model.embed_tokens.weight, but LFM2 ties its head to the "
-                             "embedding. Check that the weights come from an LFM2 model.")
+            raise InputError(f"Checkpoint tensor lm_head.weight differs from "
+                             f"model.embed_tokens.weight, but {self.family} ties its head to "
+                             f"the embedding. Check that the weights come from an {self.family} "
+                             "model.")
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
         # LFM2's "embedding_norm" is its final norm; the head is tied to the embedding

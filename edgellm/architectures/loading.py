@@ -8,13 +8,17 @@ from __future__ import annotations
 import torch
 
 from ..errors import InputError
-from .registry import architecture
+from .registry import architecture, config_problems
 from .layers import ModelOptions, separate_tied_head
 
 
 def build_model(hf_config, state_dict: dict, opts: ModelOptions, dtype: torch.dtype):
     """Build the architecture for `hf_config` and load `state_dict` into it without copies."""
     arch = architecture(hf_config.model_type)
+    fields = config_problems(hf_config)
+    if fields:
+        raise InputError(f"config.json cannot describe a model: {'; '.join(fields)}. Fix the "
+                         "checkpoint's config.json.")
     problems = arch.check(hf_config)
     if problems:
         raise InputError(f"config.json contradicts itself: {'; '.join(problems)}. "
@@ -46,9 +50,10 @@ def load_weights(model: torch.nn.Module, state_dict: dict, dtype: torch.dtype) -
                 (("missing tensors", missing), ("unexpected tensors", unexpected),
                  ("mis-shaped tensors", shapes)) if items]
     if problems:
-        raise InputError(f"Checkpoint does not fit the {type(model).__name__} its config "
-                         f"describes: {'; '.join(problems)}. Check that the weights and "
-                         "config.json come from the same model.")
+        family = getattr(model, "family", type(model).__name__)
+        raise InputError(f"Checkpoint does not fit the {family} model its config describes: "
+                         f"{'; '.join(problems)}. Check that the weights and config.json come "
+                         "from the same model.")
     model.load_state_dict({k: v.to(dtype) for k, v in state_dict.items()}, strict=False,
                           assign=True)
 

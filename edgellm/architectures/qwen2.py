@@ -1,5 +1,5 @@
 """Qwen2 and Qwen2.5 (transformers `model_type: qwen2`): Llama's layout (llama.py) with biases on
-the q, k and v projections (o has none). Sliding-window layers are refused, as for Qwen3.
+the q, k and v projections (o has none). Sliding-window layers keep ring buffers, as for Qwen3.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def _config(p: dict, model_class: str, common: dict, tied: bool):
 
 ARCHITECTURE = llama.relative(
     "qwen2", "Qwen2 and Qwen2.5 (Llama layout with q, k and v biases)",
-    llama.Variant(qkv_bias=True), "Qwen2",
-    model_classes=("qwen2_5_0_5b", "qwen2_5_1_5b", "qwen2_5_coder_32b"),
-    meta_names={f"attention.w{x}.bias": f"self_attn.{x}_proj.bias" for x in "qkv"},
-    problems=_params_problems, config=_config, qkv_bias=True)
+    llama.Variant(qkv_bias=True), "Qwen2", executorch=llama.meta_layout(
+        ("qwen2_5_0_5b", "qwen2_5_1_5b", "qwen2_5_coder_32b"),
+        {f"attention.w{x}.bias": f"self_attn.{x}_proj.bias" for x in "qkv"}, _params_problems,
+        _config, qkv_bias=True))

@@ -2,8 +2,8 @@
 RMSNorm over each head of q and k before RoPE (`self_attn.q_norm`, `self_attn.k_norm`) and a
 head_dim of its own (Qwen3-0.6B: 16 heads of 128 over a hidden size of 1024, not 64).
 
-Sliding-window layers (`use_sliding_window`, which the released Qwen3 checkpoints leave off) are
-refused: the static KV cache here keeps every position (llama.sliding_layers).
+Sliding-window layers (`use_sliding_window`, which the released Qwen3 checkpoints leave off) keep
+ring buffers (llama.layer_windows).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def _config(p: dict, model_class: str, common: dict, tied: bool):
 
 ARCHITECTURE = llama.relative(
     "qwen3", "Qwen3 dense models (Llama layout with per-head q and k norms)",
-    llama.Variant(qk_norm=True), "Qwen3", model_classes=("qwen3_0_6b", "qwen3_1_7b", "qwen3_4b"),
-    meta_names={"attention.q_norm_fn.weight": "self_attn.q_norm.weight",
-                "attention.k_norm_fn.weight": "self_attn.k_norm.weight"},
-    problems=_params_problems, config=_config)
+    llama.Variant(qk_norm="head"), "Qwen3", executorch=llama.meta_layout(
+        ("qwen3_0_6b", "qwen3_1_7b", "qwen3_4b"),
+        {"attention.q_norm_fn.weight": "self_attn.q_norm.weight",
+         "attention.k_norm_fn.weight": "self_attn.k_norm.weight"}, _params_problems, _config))

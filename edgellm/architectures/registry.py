@@ -10,7 +10,32 @@ from typing import Callable
 
 from ..errors import InputError
 
-NAMES = ("lfm2", "llama", "qwen2", "qwen3")  # the architecture modules, by HF model_type
+# HF model_type -> the module that defines its Architecture (as ARCHITECTURE, or among
+# ARCHITECTURES where one module holds several)
+MODULES = {"lfm2": "lfm2", "lfm3": "lfm3", "llama": "llama", "mistral": "mistral",
+           "ministral": "mistral", "smollm3": "smollm3", "qwen2": "qwen2", "qwen3": "qwen3",
+           "gemma3_text": "gemma3", "gemma3": "gemma3", "phi3": "phi3", "granite": "granite",
+           "olmo2": "olmo2"}
+NAMES = tuple(MODULES)
+_MOE = "a mixture-of-experts model: edgellm has no MoE architecture yet"
+# HF model_types edgellm refuses, with why (anything else is simply unknown)
+REFUSED_TYPES = {
+    **dict.fromkeys(("lfm2_moe", "qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "granitemoe",
+                     "granitemoehybrid", "phimoe", "deepseek_v3", "gpt_oss"), _MOE),
+    **dict.fromkeys(("qwen3_5", "qwen3_5_text", "qwen3_next"),
+                    "gated DeltaNet linear-attention layers: edgellm has no qwen3_5 architecture "
+                    "yet"),
+    "gemma3n": "Gemma 3n (per-layer embeddings, AltUp, LAuReL): edgellm has no gemma3n "
+               "architecture; Gemma 3 (gemma3_text, or the text tower of a gemma3 folder) exports",
+    **dict.fromkeys(("gemma4", "gemma4_text"), "Gemma 4: edgellm has no gemma4 architecture yet; "
+                    "Gemma 3 exports"),
+    "gemma2": "Gemma 2 (attention logit soft-capping, which neither llama::custom_sdpa nor SDPA "
+              "takes): Gemma 3 exports",
+    **dict.fromkeys(("lfm2_vl", "llava", "llava_next", "qwen2_vl", "qwen2_5_vl", "qwen3_vl",
+                     "mllama", "idefics3", "smolvlm", "paligemma", "mistral3", "phi4_multimodal"),
+                    "a vision-language model: edgellm exports text decoders only (of the "
+                    "multimodal folders, gemma3's text tower)"),
+}
 # ExecuTorch base.model_class values edgellm refuses, with the reason
 REFUSED_CLASSES = {
     **dict.fromkeys(("qwen3_5_0_8b", "qwen3_5_2b", "qwen3_5_4b"), "Qwen3.5 (gated DeltaNet "
@@ -47,13 +72,19 @@ class Architecture:
     check: Callable = lambda cfg: []  # (hf_config) -> contradictions in the config
     unsupported: Callable = lambda cfg: []  # (hf_config) -> features of a valid config it lacks
     executorch: ExecuTorchLayout | None = field(default=None, repr=False)
+    # a multimodal folder's (config, state dict) -> its text decoder's, which is what exports
+    tower: Callable | None = field(default=None, repr=False)
 
 
 def architecture(model_type: str) -> Architecture:
     if model_type not in NAMES:
-        raise InputError(f"Unsupported model_type '{model_type}'. Supported: {', '.join(NAMES)}. "
-                         "Run `edgellm models` to see every architecture and backend.")
-    return importlib.import_module(f"{__package__}.{model_type}").ARCHITECTURE
+        why = f" ({REFUSED_TYPES[model_type]})" if model_type in REFUSED_TYPES else ""
+        raise InputError(f"Unsupported model_type '{model_type}'{why}. Supported: "
+                         f"{', '.join(NAMES)}. Run `edgellm models` to see every architecture "
+                         "and backend.")
+    module = importlib.import_module(f"{__package__}.{MODULES[model_type]}")
+    return next(a for a in getattr(module, "ARCHITECTURES", (module.ARCHITECTURE,))
+                if a.model_type == model_type)
 
 
 def every() -> list[Architecture]:
@@ -73,6 +104,52 @@ def for_model_class(model_class: str) -> Architecture:
     hint = f" Did you mean '{close[0]}'?" if close else ""
     raise InputError(f"Unknown ExecuTorch model_class '{model_class}'.{hint} {supported} "
                      "Run `edgellm models` to see every architecture.")
+
+
+# config.json sizes the families read: each must be a positive integer where the config has it
+SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+         "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
+         "sliding_window", "conv_L_cache", "query_pre_attn_scalar")
+# factors that must be positive where set (Granite's multipliers, Gemma's soft cap)
+FACTORS = ("rms_norm_eps", "norm_eps", "embedding_multiplier", "residual_multiplier",
+           "attention_multiplier", "logits_scaling", "final_logit_softcapping")
+
+
+def config_problems(cfg) -> list[str]:
+    """What in a transformers config no family can build, field by field: sizes that are not
+    positive integers, factors that are not positive, heads that do not divide the width or each
+    other, per-layer lists shorter than the layers. Checked before anything is built, so that a
+    broken config.json is named instead of failing inside a layer."""
+    out = []
+    for name in SIZES:
+        value = getattr(cfg, name, None)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or value <= 0):
+            out.append(f"{name} is {value!r}; it must be a positive integer")
+    for name in FACTORS:
+        value = getattr(cfg, name, None)
+        if value is not None and not (isinstance(value, (int, float)) and value > 0):
+            out.append(f"{name} is {value!r}; it must be a positive number")
+    if out:
+        return out
+    heads, kv = cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None)
+    if getattr(cfg, "head_dim", None) is None and cfg.hidden_size % heads:
+        out.append(f"num_attention_heads {heads} does not divide hidden_size {cfg.hidden_size} "
+                   "(and head_dim is not given)")
+    if kv and heads % kv:
+        out.append(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}")
+    for name in ("layer_types", "no_rope_layers"):
+        value = getattr(cfg, name, None)
+        if value is not None and len(value) < cfg.num_hidden_layers:
+            out.append(f"{name} has {len(value)} entries for num_hidden_layers "
+                       f"{cfg.num_hidden_layers}; one per layer is needed")
+    params = getattr(cfg, "rope_parameters", None) or {}
+    for p in (params.values() if params and all(isinstance(v, dict) for v in params.values())
+              else [params]):
+        factor = p.get("partial_rotary_factor", 1.0)
+        if not (isinstance(factor, (int, float)) and 0 < factor <= 1):
+            out.append(f"partial_rotary_factor is {factor!r}; it must be in (0, 1]")
+    return out
 
 
 def layer_kinds(p: dict, allowed: tuple[str, ...]) -> list[str]:

@@ -85,7 +85,8 @@ class Plan:
         writing = dict(self.backends[0].writing)
         if keeps_source_grids(cfg, stored):
             writing["fold_norms"] = writing["fuse_qk"] = False
-        return ModelOptions(max_context_len=cfg.context_len, **writing)
+        return ModelOptions(max_context_len=cfg.context_len,
+                            max_call_len=max(cfg.max_seq_len, cfg.prefill_chunk), **writing)
 
     @property
     def patches(self) -> tuple[str, ...]:

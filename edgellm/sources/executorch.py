@@ -139,7 +139,8 @@ def hf_config_from_params(params: dict, model_class: str, *, tie_word_embeddings
     common = dict(vocab_size=p["vocab_size"], hidden_size=p["dim"],
                   intermediate_size=p["hidden_dim"], num_hidden_layers=p["n_layers"],
                   num_attention_heads=p["n_heads"], num_key_value_heads=p["n_kv_heads"],
-                  bos_token_id=None, eos_token_id=None, pad_token_id=None)
+                  bos_token_id=None, eos_token_id=None, pad_token_id=None,
+                  max_position_embeddings=131072)  # a .pth names no trained context
     return layout.config(p, model_class, common, tie_word_embeddings)
 
 

@@ -76,6 +76,25 @@ def read_safetensors(files: list[Path]) -> dict:
     return state
 
 
+def transformers_names(model_type: str, state: dict) -> dict:
+    """The state dict under the names transformers' modules use: the renamings transformers
+    applies when it loads such a checkpoint (its conversion mapping: LFM3 stores its attention
+    gate as gate_proj, the module is g_proj)."""
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming
+
+    rules = [r for r in get_checkpoint_conversion_mapping(model_type) or []
+             if isinstance(r, WeightRenaming)]
+    if not rules:
+        return state
+    out = {}
+    for key, value in state.items():
+        for rule in rules:
+            key = rule.rename_source_key(key)[0]
+        out[key] = value
+    return out
+
+
 def _ids(value) -> tuple[int, ...]:
     if value is None:
         return ()
@@ -83,8 +102,14 @@ def _ids(value) -> tuple[int, ...]:
 
 
 def load_hf_folder(folder: Path) -> Source:
+    from ..architectures.registry import architecture
+
     cfg = read_config(folder)
     state = read_safetensors(weight_files(folder))
+    tower = architecture(cfg.model_type).tower
+    if tower is not None:  # a multimodal folder: its text decoder is what exports
+        cfg, state = tower(cfg, state)
+    state = transformers_names(cfg.model_type, state)
     eos = _ids(getattr(cfg, "eos_token_id", None))
     gen = folder / "generation_config.json"
     if gen.is_file():
