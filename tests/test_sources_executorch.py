@@ -107,8 +107,42 @@ def write_qwen3(folder, hf, out: Path):
     return "qwen3_0_6b", hf
 
 
+def write_phi3(folder, hf, out: Path):
+    """Phi-4-mini as ExecuTorch's phi_4_mini convert_weights writes it (it imports torchtune, so
+    its split is repeated here: qkv_proj into q, k, v and gate_up_proj into gate, up, under
+    Meta's names), with params as its config writes them: partial rotary and LongRoPE."""
+    cfg, sd = hf.config, {}
+    q = cfg.num_attention_heads * (cfg.hidden_size // cfg.num_attention_heads)
+    for key, value in hf.state_dict().items():
+        if key.endswith("qkv_proj.weight"):
+            kv = (value.shape[0] - q) // 2
+            parts = zip("qkv", value.split([q, kv, kv]))
+            sd.update({key.replace("qkv_proj", f"{x}_proj"): v for x, v in parts})
+        elif key.endswith("gate_up_proj.weight"):
+            parts = zip(("gate", "up"), value.chunk(2))
+            sd.update({key.replace("gate_up_proj", f"{x}_proj"): v for x, v in parts})
+        else:
+            sd[key] = value
+    torch.save(llama_to_meta(sd), out / "model.pth")
+    rope = cfg.rope_parameters
+    (out / "params.json").write_text(json.dumps(params_for(
+        cfg, norm_eps=cfg.rms_norm_eps, use_hf_rope=True, attention_qkv_bias=False,
+        partial_rotary_factor=rope["partial_rotary_factor"],
+        rope_scaling_short_factor=rope["short_factor"], rope_scaling_long_factor=rope["long_factor"],
+        original_max_position_embeddings=rope["original_max_position_embeddings"],
+        max_position_embeddings=cfg.max_position_embeddings)))
+    from transformers import Phi3ForCausalLM
+
+    cfg = copy.deepcopy(cfg)
+    cfg.sliding_window = None  # the tiny model's window of 8: ExecuTorch's phi_4_mini has none
+    ref = Phi3ForCausalLM(cfg).eval()
+    ref.load_state_dict(hf.state_dict())
+    return "phi_4_mini", ref
+
+
 @pytest.mark.parametrize("arch, write", [("lfm2", write_lfm2), ("llama", write_llama),
-                                         ("qwen2", write_qwen2), ("qwen3", write_qwen3)])
+                                         ("qwen2", write_qwen2), ("qwen3", write_qwen3),
+                                         ("phi3", write_phi3)])
 def test_executorch_checkpoint_matches_transformers(tiny_models, prompt_ids, tmp_path, arch,
                                                      write):
     folder, hf = tiny_models[arch]
@@ -220,8 +254,10 @@ def test_refuses_model_class(model_class, match):
     ({"layer_types": ["conv", "sliding_attention"] * 2},
      r"layer_types holds \['sliding_attention'\]; allowed: conv, full_attention"),
     ({"use_hf_rope": False}, r"use_hf_rope, use_qk_norm and qk_norm_before_rope must all be"),
+    ({"partial_rotary_factor": 0.5},
+     r"partial_rotary_factor=0\.5 is not supported by lfm2 \(only 1\.0\)"),
 ], ids=["unknown key", "null dim", "moe", "act_fn", "short layer_types", "odd layer kind",
-        "meta rope"])
+        "meta rope", "phi's rope elsewhere"])
 def test_refuses_params(change, match):
     with pytest.raises(InputError, match=match):
         hf_config_from_params({**LFM2_PARAMS, **change}, "lfm2_350m")

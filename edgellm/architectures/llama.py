@@ -429,11 +429,11 @@ def relative(model_type: str, summary: str, variant: Variant, family: str, *,
 
 
 def meta_layout(model_classes: tuple[str, ...], meta_names: dict, problems, config,
-                qkv_bias: bool = False) -> ExecuTorchLayout:
+                qkv_bias: bool = False, reads: tuple[str, ...] = ()) -> ExecuTorchLayout:
     """How export_llm holds a Llama-layout relative: Meta's Llama names plus `meta_names`."""
     return ExecuTorchLayout(model_classes=model_classes, layer_names={**META_NAMES, **meta_names},
                             final_norm="model.norm.weight", problems=problems, config=config,
-                            qkv_bias=qkv_bias)
+                            qkv_bias=qkv_bias, reads=reads)
 
 
 ARCHITECTURE = relative(

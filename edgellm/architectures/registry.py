@@ -40,7 +40,6 @@ REFUSED_TYPES = {
 REFUSED_CLASSES = {
     **dict.fromkeys(("qwen3_5_0_8b", "qwen3_5_2b", "qwen3_5_4b"), "Qwen3.5 (gated DeltaNet "
                     "linear-attention layers): edgellm has no qwen3_5 architecture yet"),
-    "phi_4_mini": "Phi-4-mini (partial rotary, LongRoPE): edgellm has no phi3 architecture yet",
     "llama3_2_vision": "a torchtune multimodal decoder: edgellm has no vision architecture",
     "static_llama": "Qualcomm's static-shape wrapper, not a weights layout: give the class the "
                     "checkpoint was trained as (e.g. llama3_2)"}
@@ -61,6 +60,7 @@ class ExecuTorchLayout:
     # Meta state dict -> the same with tensors Meta splits joined back (LFM2's conv in_proj)
     join: Callable[[dict], dict] = lambda sd: sd
     qkv_bias: bool = False  # it takes attention_qkv_bias (biases on q, k and v)
+    reads: tuple[str, ...] = ()  # the params fields only some architectures read (Phi's RoPE)
     always_tied: str | None = None  # why the head must be the embedding, if it must
 
 

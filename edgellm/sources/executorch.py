@@ -33,10 +33,18 @@ _READ = dict(dim=None, n_layers=None, n_heads=None, vocab_size=None, n_kv_heads=
              hidden_dim=None, head_dim=None, multiple_of=256, ffn_dim_multiplier=None,
              norm_eps=1e-5, rope_theta=None, rope_freq_base=10000.0, use_scaled_rope=False,
              rope_scale_factor=8, high_freq_factor=4, use_hf_rope=False, use_qk_norm=False,
-             qk_norm_before_rope=False, attention_qkv_bias=False, layer_types=None)
+             qk_norm_before_rope=False, attention_qkv_bias=False, layer_types=None,
+             partial_rotary_factor=1.0, rope_scaling_short_factor=None,
+             rope_scaling_long_factor=None, original_max_position_embeddings=None,
+             max_position_embeddings=None)
+# fields only some architectures read (ExecuTorchLayout.reads); elsewhere only at their default
+_OPTIONAL = ("partial_rotary_factor", "rope_scaling_short_factor", "rope_scaling_long_factor",
+             "original_max_position_embeddings")
 _REQUIRED = ("dim", "n_layers", "n_heads", "vocab_size")
 _INTS = {"dim", "n_layers", "n_heads", "vocab_size", "n_kv_heads", "hidden_dim", "head_dim",
-         "multiple_of", "rope_scale_factor", "high_freq_factor"}
+         "multiple_of", "rope_scale_factor", "high_freq_factor",
+         "original_max_position_embeddings", "max_position_embeddings"}
+_LISTS = {"rope_scaling_short_factor", "rope_scaling_long_factor"}
 _FLAGS = {"use_scaled_rope", "use_hf_rope", "use_qk_norm", "qk_norm_before_rope",
           "attention_qkv_bias"}
 # Fields about the export or the runtime, or that only matter beside a refused feature (moe,
@@ -44,21 +52,19 @@ _FLAGS = {"use_scaled_rope", "use_hf_rope", "use_qk_norm", "qk_norm_before_rope"
 _IGNORED = {"max_batch_size", "max_seq_len", "max_context_len", "use_kv_cache", "device",
             "use_sdpa_with_kv_cache_op", "generate_full_logits", "enable_dynamic_shape",
             "bos_idx", "eos_idx", "bos_count", "eos_count", "model_architecture", "use_ffn_norm",
-            "max_position_embeddings", "kv_io_bit_width", "peft_type", "base_model_name_or_path",
+            "kv_io_bit_width", "peft_type", "base_model_name_or_path",
             "num_experts", "num_activated_experts", "moe_hidden_dim", "moe_use_expert_bias",
             "moe_shared_expert_hidden_dim", "moe_score_func", "moe_route_scale",
             "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
             "linear_num_key_heads", "linear_num_value_heads"}
 # Fields that change the function: accepted only at their ModelArgs default
 _FIXED = dict(
-    qk_norm_affine=True, partial_rotary_factor=1.0, moe=False,
+    qk_norm_affine=True, moe=False,
     attention_type="mha", norm_type="rmsnorm", act_fn="silu", rms_norm_add_unit_offset=False,
     attention_multiplier=None, post_attention_norm=False, post_ffn_norm=False, output_bias=False,
     use_q_gate=False, logits_scaling=None, input_prune_map=None, output_prune_map=None,
     apply_embedding=True, embedding_scale_factor=1.0, apply_output=True, residual_multiplier=None,
-    no_rope_layer_interval=None, local_rope_theta=None, rope_scaling_short_factor=None,
-    rope_scaling_long_factor=None, original_max_position_embeddings=None,
-    rope_scaling_attention_factor=None, quantization_args=None, lora_args=None, r=None,
+    no_rope_layer_interval=None, local_rope_theta=None, rope_scaling_attention_factor=None, quantization_args=None, lora_args=None, r=None,
     lora_alpha=None, target_modules=None, attention_kwargs={}, mlp_type=None,
     sliding_window=None, num_kv_shared_layers=0, final_logit_softcapping=None,
     attn_logit_softcapping=None, normalize_tok_embeddings=False, scale_query_by=1.0,
@@ -86,6 +92,9 @@ def _key_problem(key: str, value) -> str | None:
         ok, want = isinstance(value, bool), "true or false"
     elif key in _INTS:
         ok, want = type(value) is int and value > 0, "a positive integer"
+    elif key in _LISTS:
+        ok = isinstance(value, list) and value and all(type(v) in (int, float) for v in value)
+        want = "a list of numbers"
     elif key == "layer_types":
         ok = isinstance(value, list) and all(isinstance(k, str) for k in value)
         want = "a list of layer kinds"
@@ -125,7 +134,9 @@ def hf_config_from_params(params: dict, model_class: str, *, tie_word_embeddings
     arch = for_model_class(model_class)
     layout = arch.executorch
     p = _resolve(params, origin)
-    problems = layout.problems(p, model_class)
+    problems = layout.problems(p, model_class) + [
+        f"{k}={p[k]!r} is not supported by {arch.model_type} (only {_READ[k]!r})"
+        for k in _OPTIONAL if k not in layout.reads and p[k] != _READ[k]]
     if p["attention_qkv_bias"] and not layout.qkv_bias:
         having = "; ".join(f"{a.model_type} has: model_class "
                            f"{' or '.join(a.executorch.model_classes)}"
@@ -140,7 +151,8 @@ def hf_config_from_params(params: dict, model_class: str, *, tie_word_embeddings
                   intermediate_size=p["hidden_dim"], num_hidden_layers=p["n_layers"],
                   num_attention_heads=p["n_heads"], num_key_value_heads=p["n_kv_heads"],
                   bos_token_id=None, eos_token_id=None, pad_token_id=None,
-                  max_position_embeddings=131072)  # a .pth names no trained context
+                  # a .pth names its trained context only where its params say
+                  max_position_embeddings=p["max_position_embeddings"] or 131072)
     return layout.config(p, model_class, common, tie_word_embeddings)
 
 
