@@ -180,17 +180,22 @@ class Attention(nn.Module):
             v = split_heads(self.v_proj(x), self.n_kv, self.head_dim, step)
             q, k = fused_qk(self, x, step, rope)
             return self.o_proj(self._gated(self.cache(q, k, v, step), x))
-        q, k = self.q_proj(x), self.k_proj(x)
-        if self.qk_norm == "whole":
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = split_heads(q, self.n_heads, self.head_dim, step)
-        k = split_heads(k, self.n_kv, self.head_dim, step)
+        q = self._heads("q", x, self.n_heads, step)
+        k = self._heads("k", x, self.n_kv, step)
         v = split_heads(self.v_proj(x), self.n_kv, self.head_dim, step)
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = rope(q), rope(k)
         return self.o_proj(self._gated(self.cache(q, k, v, step), x))
+
+    def _heads(self, which: str, x, n: int, step):
+        """q or k projected, normalized first where the norm is over the whole projection
+        (OLMo 2), split into heads."""
+        y = getattr(self, f"{which}_proj")(x)
+        if self.qk_norm == "whole":
+            y = getattr(self, f"{which}_norm")(y)
+        return split_heads(y, n, self.head_dim, step)
 
     def _gated(self, out, x):
         """out (1, T, H*D), each head times sigmoid(g_proj(x)) where the model gates."""
