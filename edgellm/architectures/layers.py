@@ -283,9 +283,22 @@ class KVCache(nn.Module):
             out = torch.ops.llama.custom_sdpa(q, self.k_cache, self.v_cache, 0, mask, 0.0, False,
                                               self.scale)
             return out.view(1, -1, self.n_heads * self.head_dim)
-        write_at(self.k_cache, 2, slots, to_heads(k, step))
-        write_at(self.v_cache, 2, slots, to_heads(v, step))
+        k, v = to_heads(k, step), to_heads(v, step)
+        if step.start_int is None:  # index_put_: one MIL slice_update on Core ML
+            write_at(self.k_cache, 2, slots, k)
+            write_at(self.v_cache, 2, slots, v)
+        else:  # a fixed number of tokens > 1: coremltools' index_put takes one index only
+            self._rewrite(self.k_cache, k, step)
+            self._rewrite(self.v_cache, v, step)
         return self._grouped_sdpa(q, step, mask)
+
+    def _rewrite(self, cache, new, step: Step) -> None:
+        """The ring after a call of T > 1 tokens, written whole: slot s takes token
+        (s - start) mod ring of this call where that is < T, else keeps what it held."""
+        T = new.shape[2]
+        source = (torch.arange(self.ctx) - step.positions[0]) % self.ctx  # (ring,)
+        taken = (source < T)[None, None, :, None]
+        cache.copy_(torch.where(taken, new.index_select(2, source % T), cache))  # (% T: any index)
 
     def _grouped_sdpa(self, q, step: Step, mask: torch.Tensor) -> torch.Tensor:
         n_rep = self.n_heads // self.n_kv
