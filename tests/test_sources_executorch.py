@@ -128,7 +128,8 @@ def write_phi3(folder, hf, out: Path):
     (out / "params.json").write_text(json.dumps(params_for(
         cfg, norm_eps=cfg.rms_norm_eps, use_hf_rope=True, attention_qkv_bias=False,
         partial_rotary_factor=rope["partial_rotary_factor"],
-        rope_scaling_short_factor=rope["short_factor"], rope_scaling_long_factor=rope["long_factor"],
+        rope_scaling_short_factor=rope["short_factor"],
+        rope_scaling_long_factor=rope["long_factor"],
         original_max_position_embeddings=rope["original_max_position_embeddings"],
         max_position_embeddings=cfg.max_position_embeddings)))
     from transformers import Phi3ForCausalLM
