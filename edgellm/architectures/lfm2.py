@@ -28,15 +28,22 @@ from .registry import Architecture, ExecuTorchLayout, layer_kinds
 KINDS = ("conv", "full_attention")
 
 
-def check(cfg) -> list[str]:
+def kind_problems(cfg, known: tuple[str, ...]) -> list[str]:
+    """layer_types against the layer count and the kinds an LFM generation knows."""
     out = []
     kinds = list(cfg.layer_types or [])
     if len(kinds) != cfg.num_hidden_layers:
         out.append(f"layer_types has {len(kinds)} entries but num_hidden_layers is "
                    f"{cfg.num_hidden_layers}")
-    odd = sorted({k for k in kinds if k not in KINDS})
+    odd = sorted({k for k in kinds if k not in known})
     if odd:
-        out.append(f"layer_types holds {odd}; known kinds are 'conv' and 'full_attention'")
+        out.append(f"layer_types holds {odd}; known kinds are "
+                   f"{', '.join(repr(k) for k in known)}")
+    return out
+
+
+def check(cfg) -> list[str]:
+    out = kind_problems(cfg, KINDS)
     if cfg.num_attention_heads % cfg.num_key_value_heads:
         out.append(f"num_attention_heads {cfg.num_attention_heads} is not a multiple of "
                    f"num_key_value_heads {cfg.num_key_value_heads}")

@@ -23,15 +23,8 @@ VARIANT = llama.Variant(qk_norm="head", gate=True, rotary="lfm3.modeling_lfm3:Lf
 
 
 def check(cfg) -> list[str]:
-    out = []
-    kinds = list(cfg.layer_types or [])
-    if len(kinds) != cfg.num_hidden_layers:
-        out.append(f"layer_types has {len(kinds)} entries but num_hidden_layers is "
-                   f"{cfg.num_hidden_layers}")
-    odd = sorted({k for k in kinds if k not in KINDS})
-    if odd:
-        out.append(f"layer_types holds {odd}; known kinds are {', '.join(KINDS)}")
-    if "sliding_attention" in kinds and not cfg.sliding_window:
+    out = lfm2.kind_problems(cfg, KINDS)
+    if "sliding_attention" in (cfg.layer_types or []) and not cfg.sliding_window:
         out.append("layer_types has sliding_attention layers but sliding_window is not set")
     return out + llama.check(cfg)
 
