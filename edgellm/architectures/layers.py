@@ -278,6 +278,8 @@ class KVCache(nn.Module):
         mask = step.ring_mask(self.ctx, self.window)
         if self.mode == "custom_ops":
             index = slots[None, :]
+            if mask.dtype == torch.bfloat16:  # the op's checks take an fp32 or fp16 mask only
+                mask = mask.float()
             torch.ops.llama.update_cache_with_indices(k, self.k_cache, 0, index)
             torch.ops.llama.update_cache_with_indices(v, self.v_cache, 0, index)
             out = torch.ops.llama.custom_sdpa(q, self.k_cache, self.v_cache, 0, mask, 0.0, False,
