@@ -43,11 +43,7 @@ def kind_problems(cfg, known: tuple[str, ...]) -> list[str]:
 
 
 def check(cfg) -> list[str]:
-    out = kind_problems(cfg, KINDS)
-    if cfg.num_attention_heads % cfg.num_key_value_heads:
-        out.append(f"num_attention_heads {cfg.num_attention_heads} is not a multiple of "
-                   f"num_key_value_heads {cfg.num_key_value_heads}")
-    return out
+    return kind_problems(cfg, KINDS)  # sizes and head counts: registry.config_problems
 
 
 def ffn_width(cfg) -> int:

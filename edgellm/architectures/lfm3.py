@@ -26,7 +26,7 @@ def check(cfg) -> list[str]:
     out = lfm2.kind_problems(cfg, KINDS)
     if "sliding_attention" in (cfg.layer_types or []) and not cfg.sliding_window:
         out.append("layer_types has sliding_attention layers but sliding_window is not set")
-    return out + llama.check(cfg)
+    return out
 
 
 def unsupported(cfg) -> list[str]:

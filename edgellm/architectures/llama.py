@@ -21,15 +21,7 @@ from torch import nn
 from ..errors import InputError
 from .layers import (FULL, KVCache, ModelOptions, RMSNorm, Rope, fold_norm, fuse_qk_weights,
                      fused_qk, head_weight, run_decoder, split_heads)
-from .registry import Architecture, ExecuTorchLayout, layer_kinds
-
-
-def check(cfg) -> list[str]:
-    out = []
-    if cfg.num_attention_heads % cfg.num_key_value_heads:
-        out.append(f"num_attention_heads {cfg.num_attention_heads} is not a multiple of "
-                   f"num_key_value_heads {cfg.num_key_value_heads}")
-    return out
+from .registry import Architecture, ExecuTorchLayout, layer_kinds, rope_parameter_sets
 
 
 def head_dim(cfg) -> int:
@@ -135,9 +127,7 @@ def unsupported(cfg) -> list[str]:
                    "llama::custom_sdpa nor SDPA takes)")
     if getattr(cfg, "use_bidirectional_attention", False):
         out.append("use_bidirectional_attention (an encoder, not a decoder)")
-    params = getattr(cfg, "rope_parameters", None) or {}
-    for p in (params.values() if all(isinstance(v, dict) for v in params.values()) and params
-              else [params]):
+    for p in rope_parameter_sets(cfg):
         if "dynamic" in str(p.get("rope_type", "")):
             out.append(f"rope_type '{p['rope_type']}' (its tables change with the sequence "
                        "length; a program's are fixed)")
@@ -423,12 +413,12 @@ def _config(p: dict, model_class: str, common: dict, tied: bool):
 
 
 def relative(model_type: str, summary: str, variant: Variant, family: str, *,
-             executorch: ExecuTorchLayout | None = None, check=check,
+             executorch: ExecuTorchLayout | None = None,
              unsupported=unsupported) -> Architecture:
     """The Architecture of a Llama-layout relative: these classes with `variant`, named `family`
     in errors, and, where ExecuTorch's export_llm has it, its layout there."""
     return Architecture(
-        model_type=model_type, summary=summary, check=check,
+        model_type=model_type, summary=summary,
         build=lambda cfg, opts, dtype: build(cfg, opts, dtype, variant, family),
         unsupported=unsupported, executorch=executorch)
 

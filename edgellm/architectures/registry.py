@@ -115,6 +115,15 @@ FACTORS = ("rms_norm_eps", "norm_eps", "embedding_multiplier", "residual_multipl
            "attention_multiplier", "logits_scaling", "final_logit_softcapping")
 
 
+def rope_parameter_sets(cfg) -> list[dict]:
+    """The config's RoPE parameters: one dict, or one per layer type where the config keys them
+    so (Gemma 3, LFM3)."""
+    params = getattr(cfg, "rope_parameters", None) or {}
+    if params and all(isinstance(v, dict) for v in params.values()):
+        return list(params.values())
+    return [params]
+
+
 def config_problems(cfg) -> list[str]:
     """What in a transformers config no family can build, field by field: sizes that are not
     positive integers, factors that are not positive, heads that do not divide the width or each
@@ -143,9 +152,7 @@ def config_problems(cfg) -> list[str]:
         if value is not None and len(value) < cfg.num_hidden_layers:
             out.append(f"{name} has {len(value)} entries for num_hidden_layers "
                        f"{cfg.num_hidden_layers}; one per layer is needed")
-    params = getattr(cfg, "rope_parameters", None) or {}
-    for p in (params.values() if params and all(isinstance(v, dict) for v in params.values())
-              else [params]):
+    for p in rope_parameter_sets(cfg):
         factor = p.get("partial_rotary_factor", 1.0)
         if not (isinstance(factor, (int, float)) and 0 < factor <= 1):
             out.append(f"partial_rotary_factor is {factor!r}; it must be in (0, 1]")
