@@ -2,6 +2,7 @@
 GGUF written here from a tiny model."""
 
 import json
+import math
 import shutil
 
 import pytest
@@ -53,36 +54,62 @@ def test_index_naming_a_missing_shard(tiny_models, tmp_path):
         load_source(str(tmp_path / "m"))
 
 
-# HF module -> GGUF tensor, inside "model.layers.N." / "blk.N." (llama.cpp's names for qwen2/3)
-GGUF_LAYER = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-              "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-              "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-              "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
-GGUF_TOP = {"model.embed_tokens.weight": "token_embd.weight",
-            "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
+LLAMACPP_ARCH = {"gemma3_text": "gemma3", "mistral": "llama"}  # model_type -> GGUF arch
+PERMUTED = ("llama", "granite", "smollm3")  # llama.cpp's LlamaModel and its subclasses
 
 
-def write_qwen_gguf(hf, tokenizer_json, path, quantized: dict | None = None) -> None:
-    """A tiny Qwen2 or Qwen3 as llama.cpp's converter lays it out: F32 tensors under GGUF names
-    (`quantized`: HF name -> (raw bytes, GGML type) to store instead), the architecture's
-    metadata, and its byte-level BPE tokenizer as a gpt2 vocabulary with merges."""
+def write_gguf(hf, tokenizer_json, path, quantized: dict | None = None) -> None:
+    """A tiny model as llama.cpp's converter (conversion/*.py) writes it: tensors under gguf's
+    names (`quantized`: HF name -> (raw bytes, GGML type) to store instead of F32), q and k rows
+    permuted for the llama-derived families, Gemma's norms as 1 + w, LFM2's kernels squeezed,
+    Llama 3's and Phi-3's RoPE factors as tensors; each family's metadata keys; the byte-level BPE
+    tokenizer as a gpt2 vocabulary with merges."""
     import gguf
+    import numpy as np
 
     from edgellm.architectures.llama import head_dim
 
     cfg, tok = hf.config, json.loads(tokenizer_json.read_text())
-    w = gguf.GGUFWriter(str(path), cfg.model_type)
+    arch = LLAMACPP_ARCH.get(cfg.model_type, cfg.model_type)
+    heads, kv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, head_dim(cfg)
+    rope = cfg.rope_parameters
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name("Mistral 7B" if cfg.model_type == "mistral" else cfg.model_type)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_key_length(head_dim(cfg))
-    w.add_value_length(head_dim(cfg))
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_head_count(heads)
+    w.add_layer_norm_rms_eps(getattr(cfg, "rms_norm_eps", None) or cfg.norm_eps)
+    if arch == "lfm2":
+        w.add_head_count_kv([kv if t == "full_attention" else 0 for t in cfg.layer_types])
+        w.add_shortconv_l_cache(cfg.conv_L_cache)
+    else:
+        w.add_head_count_kv(kv)
+    if arch == "gemma3":
+        w.add_rope_freq_base(rope["full_attention"]["rope_theta"])
+        w.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+        w.add_sliding_window(cfg.sliding_window)
+        if rope["full_attention"]["rope_type"] == "linear":
+            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            w.add_rope_scaling_factor(rope["full_attention"]["factor"])
+        if cfg.final_logit_softcapping:
+            w.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    else:
+        w.add_rope_freq_base(rope["rope_theta"])
+    if arch == "phi3":  # no key length; the rotated width; LongRoPE's original context
+        w.add_rope_dimension_count(int(rope.get("partial_rotary_factor", 1.0) * cfg.hidden_size)
+                                   // heads)
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        w.add_sliding_window(0)
+    else:
+        w.add_key_length(hd)
+        w.add_value_length(hd)
+    if arch == "granite":
+        w.add_attention_scale(cfg.attention_multiplier)
+        w.add_embedding_scale(cfg.embedding_multiplier)
+        w.add_residual_scale(cfg.residual_multiplier)
+        w.add_logit_scale(cfg.logits_scaling)
     vocab = dict(tok["model"]["vocab"]) | {t["content"]: t["id"] for t in tok["added_tokens"]}
     special = {t["id"] for t in tok["added_tokens"]}
     w.add_tokenizer_model("gpt2")
@@ -93,21 +120,105 @@ def write_qwen_gguf(hf, tokenizer_json, path, quantized: dict | None = None) -> 
     w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
     w.add_bos_token_id(cfg.bos_token_id)
     w.add_eos_token_id(cfg.eos_token_id)
+    kind = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
+    names = gguf.get_tensor_name_map(kind, cfg.num_hidden_layers)
+    if rope.get("rope_type") == "llama3":  # LlamaModel.generate_extra_tensors
+        rope_factors = []
+        inv = 1.0 / rope["rope_theta"] ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd)
+        low = rope["original_max_position_embeddings"] / rope["low_freq_factor"]
+        high = rope["original_max_position_embeddings"] / rope["high_freq_factor"]
+        for freq in inv.tolist():
+            wavelen = 2 * math.pi / freq
+            if wavelen < high:
+                rope_factors.append(1.0)
+            elif wavelen > low:
+                rope_factors.append(rope["factor"])
+            else:
+                smooth = (rope["original_max_position_embeddings"] / wavelen
+                          - rope["low_freq_factor"]) / (rope["high_freq_factor"]
+                                                        - rope["low_freq_factor"])
+                rope_factors.append(1 / ((1 - smooth) / rope["factor"] + smooth))
+        w.add_tensor("rope_freqs.weight", np.array(rope_factors, dtype=np.float32))
+    if rope.get("rope_type") == "longrope":
+        for which in ("long", "short"):
+            w.add_tensor(f"rope_factors_{which}.weight",
+                         np.array(rope[f"{which}_factor"], dtype=np.float32))
     for name, tensor in hf.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         raw, kind = (quantized or {}).get(name, (tensor.detach().float().numpy(), None))
-        if name.startswith("model.layers."):
-            _, _, layer, rest = name.split(".", 3)
-            module, leaf = rest.rsplit(".", 1)
-            name = f"blk.{layer}.{GGUF_LAYER[module]}.{leaf}"
-        else:
-            name = GGUF_TOP[name]
-        w.add_tensor(name, raw, raw_dtype=kind)
+        base, leaf = name.rsplit(".", 1)
+        gguf_name = f"{names.get_name(base)}.{leaf}"
+        if kind is None:
+            if arch in PERMUTED and gguf_name.split(".")[-2] in ("attn_q", "attn_k"):
+                n = heads if gguf_name.split(".")[-2] == "attn_q" else kv
+                raw = raw.reshape(n, 2, raw.shape[0] // n // 2, *raw.shape[1:]) \
+                    .swapaxes(1, 2).reshape(raw.shape)
+            if arch == "gemma3" and name.endswith("norm.weight"):
+                raw = raw + 1
+            if arch == "lfm2" and name.endswith("conv.conv.weight"):
+                raw = raw.squeeze(1)
+        w.add_tensor(gguf_name, np.ascontiguousarray(raw), raw_dtype=kind)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def gguf_configs(vocab) -> dict:
+    """{model_type: tiny config} of each family as much as a GGUF can say of it: llama.cpp keeps
+    Gemma 3's five local layers to a global one and its q scale of 1/sqrt(head_dim) in code, and
+    SmolLM3's NoPE on every fourth layer; it runs Phi-3 without a window and writes Mistral as
+    Llama (no window either)."""
+    from transformers import Gemma3TextConfig, MistralConfig, SmolLM3Config
+
+    from conftest import (WINDOW, tiny_family_configs, tiny_lfm2_config, tiny_llama_config,
+                          tiny_qwen2_config, tiny_qwen3_config)
+
+    family = tiny_family_configs(vocab)
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, bos_token_id=0,
+                  eos_token_id=1, pad_token_id=1)
+    phi3 = family["phi3"]
+    phi3.sliding_window = None
+    return {
+        "llama": tiny_llama_config(vocab), "lfm2": tiny_lfm2_config(vocab),
+        "qwen2": tiny_qwen2_config(vocab),
+        "qwen3": tiny_qwen3_config(vocab),
+        "mistral": MistralConfig(**common, num_hidden_layers=2, sliding_window=None),
+        "gemma3_text": Gemma3TextConfig(
+            **{**common, "num_key_value_heads": 1}, sliding_window=WINDOW, num_hidden_layers=6,
+            head_dim=16, query_pre_attn_scalar=16, final_logit_softcapping=30.0,
+            rope_parameters=family["gemma3_text"].rope_parameters),
+        "phi3": phi3, "granite": family["granite"], "olmo2": family["olmo2"],
+        "smollm3": SmolLM3Config(**common, num_hidden_layers=4, no_rope_layer_interval=4),
+    }
+
+
+@pytest.mark.parametrize("family", ["llama", "lfm2", "mistral", "gemma3_text", "phi3",
+                                    "granite", "olmo2", "smollm3"])
+def test_a_family_gguf_matches_transformers(tiny_models, prompt_ids, tmp_path, family):
+    """A GGUF in llama.cpp's layout (write_gguf) reads back as the model transformers runs: a
+    prompt, then one token per call past Gemma 3's window, logits within the fp32 tolerance and
+    the same greedy tokens. Wrong q/k order, a norm off by one, a lost LongRoPE factor, partial
+    rotary, Llama 3's frequency scaling, Granite's multipliers or a NoPE layer would each move
+    the logits."""
+    from conftest import assert_logits_close, cached_run, random_model, reference_run
+    from edgellm.architectures import build_model
+    from edgellm.architectures.layers import ModelOptions
+
+    folder = tiny_models["qwen3"][0]
+    cfg = gguf_configs(tiny_models["qwen3"][1].config.vocab_size)[family]
+    hf = random_model(cfg)
+    gguf_file = tmp_path / f"tiny-{family}.gguf"
+    write_gguf(hf, folder / "tokenizer.json", gguf_file)
+    source = load_source(str(gguf_file))
+    assert source.hf_config.model_type == ("llama" if family == "mistral" else family)
+    model = build_model(source.hf_config, source.state_dict, ModelOptions(32), torch.float32)
+    tokens, expected = reference_run(hf, prompt_ids, steps=6)
+    with torch.no_grad():
+        actual = cached_run(model, prompt_ids, tokens)
+    assert_logits_close(actual, expected, atol=1e-4, what=f"{family} from GGUF")
 
 
 @pytest.mark.parametrize("arch, width", [("qwen2", 16), ("qwen3", 32)])
@@ -127,7 +238,7 @@ def test_qwen_gguf_loads_and_matches_transformers(tiny_models, prompt_ids, tmp_p
 
     folder, hf = tiny_models[arch]
     gguf_file = tmp_path / f"tiny-{arch}-F32.gguf"
-    write_qwen_gguf(hf, folder / "tokenizer.json", gguf_file)
+    write_gguf(hf, folder / "tokenizer.json", gguf_file)
     source = load_source(str(gguf_file))
     assert (source.hf_config.model_type, head_dim(source.hf_config)) == (arch, width)
     assert (source.bos_id, source.eos_ids) == (0, (1,))
@@ -168,7 +279,7 @@ def test_a_q4_k_gguf_keeps_its_grid_through_export(tiny_models, prompt_ids, tmp_
                 p.copy_(weight)
                 quantized[name] = (raw, GGMLQuantizationType.Q4_K)
     gguf_file = tmp_path / "tiny-qwen3-Q4_K.gguf"
-    write_qwen_gguf(hf, folder / "tokenizer.json", gguf_file, quantized)
+    write_gguf(hf, folder / "tokenizer.json", gguf_file, quantized)
     stored = load_source(str(gguf_file)).stored_types
     assert stored["model.layers.0.mlp.down_proj.weight"] == "Q4_K" and len(quantized) == 7
     report = edgellm.export(gguf_file, output=tmp_path / "o", backends="xnnpack",
@@ -177,3 +288,24 @@ def test_a_q4_k_gguf_keeps_its_grid_through_export(tiny_models, prompt_ids, tmp_
     assert (q["group_size"], q["linears_on_source_grid"], q["linears_at_8_bits"]) == \
         (32, 7, ["lm_head"])  # the F32 table the head is tied to: above 4 bits, so 8
     assert report["verify"]["passed"] and report["files"]["tokenizer"] == "tokenizer.json"
+
+
+@pytest.mark.parametrize("arch, message", [
+    ("gemma3n", r"Unsupported model_type 'gemma3n' \(Gemma 3n .*\)\. Supported: lfm2, lfm3"),
+    ("qwen35moe", r"Unsupported model_type 'qwen3_5_moe'\. Supported:"),
+    ("lfm3", r"holds a 'lfm3' model, an architecture llama\.cpp does not write; edgellm reads "
+             r"GGUF files of llama, qwen2"),
+])
+def test_a_gguf_of_another_family_is_refused_by_name(tmp_path, arch, message):
+    """Refused from the file's metadata alone, before any config or weight is read."""
+    import gguf
+
+    path = tmp_path / f"{arch}.gguf"
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(2)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(InputError, match=message):
+        load_source(str(path))

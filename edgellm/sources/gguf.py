@@ -1,17 +1,49 @@
-"""GGUF files, read through transformers' GGUF support (which uses the `gguf` package): weights
-dequantized to float32 under Hugging Face names, the config, the tokenizer converted to a
-tokenizer.json, and each weight's GGUF storage type (`Q4_1`, `Q8_0`, ...), which 4-bit recipes
-read to keep the file's own grids and precision choices (quantize/plan.py, quantize/grid.py)."""
+"""GGUF files as llama.cpp's converter writes them. The file's metadata and tensor table are read
+once with transformers' GGUF reader (which walks the vocabulary only when the tokenizer is
+wanted); the config is rebuilt from the metadata through transformers' GGUF key tables
+(`GGUF_CONFIG_MAPPING`, or its config builders for the architectures it has one for), extended
+here for the families it has no table for (granite, olmo2, smollm3) and for what its tables leave
+out (head width, Phi-3's partial rotary and LongRoPE factors, Gemma 3's attention scale and RoPE
+scaling); weights are dequantized by `gguf` (llama.cpp's own Python package), named by its tensor
+name map, with what llama.cpp's converter did undone by transformers' tensor processors (the q/k
+row permutation of the llama-derived families, Gemma's norms stored as 1 + w); the tokenizer is
+converted by transformers. Each weight's storage type (`Q4_1`, `Q8_0`, ...) is kept: 4-bit
+recipes read it to keep the file's own grids and precision choices (quantize/plan.py,
+quantize/grid.py)."""
 
 from __future__ import annotations
 
 import functools
+import math
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ..errors import InputError
 from .base import Source
+
+# GGUF keys (after "ARCH.") -> config fields, for the architectures transformers has no table for
+_LLAMA_KEYS = {"context_length": "max_position_embeddings", "block_count": "num_hidden_layers",
+               "feed_forward_length": "intermediate_size", "embedding_length": "hidden_size",
+               "rope.freq_base": "rope_theta", "attention.head_count": "num_attention_heads",
+               "attention.head_count_kv": "num_key_value_heads", "vocab_size": "vocab_size",
+               "attention.layer_norm_rms_epsilon": "rms_norm_eps"}
+EXTRA_CONFIG_KEYS = {
+    "granite": _LLAMA_KEYS | {"attention.scale": "attention_multiplier",
+                              "embedding_scale": "embedding_multiplier",
+                              "residual_scale": "residual_multiplier",
+                              "logit_scale": "logits_scaling"},
+    "olmo2": _LLAMA_KEYS,
+    "smollm3": _LLAMA_KEYS,
+}
+READ = ("llama", "qwen2", "qwen3", "lfm2", "gemma3", "phi3", "granite", "olmo2", "smollm3")
+# llama.cpp's converter permutes q and k rows for these (LlamaModel and its subclasses); undone
+# by transformers' LlamaTensorProcessor
+LLAMA_PERMUTED = ("llama", "granite", "smollm3")
+# GGUF architecture -> model_type, where they differ
+MODEL_TYPES = {"gemma3": "gemma3_text", "qwen35": "qwen3_5", "qwen35moe": "qwen3_5_moe",
+               "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gemma3n": "gemma3n"}
 
 
 def _pre_tokenizer_fix(kind: str):
@@ -27,44 +59,81 @@ def _pre_tokenizer_fix(kind: str):
     return None
 
 
-def _read(path: Path, **kwargs) -> dict:
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    try:
-        return load_gguf_checkpoint(str(path), **kwargs)
-    except (ValueError, KeyError, IndexError, OSError, EOFError) as e:
-        raise InputError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e}). It may "
-                         "be truncated or of an unsupported GGUF version: download it again.") \
-            from None
+def _unreadable(path: Path, e: Exception) -> InputError:
+    return InputError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e}). It may be "
+                      "truncated or of an unsupported GGUF version: download it again.")
 
 
 def load_gguf(path: Path) -> Source:
-    import gguf
+    import struct
+
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.integrations.gguf import GgufHeader, read_gguf_metadata
 
     from ..architectures.registry import architecture
 
-    meta = _read(path)
-    raw = {k: v for k, v in meta["config"].items() if k != "_model_name_or_path"}
-    architecture(raw.get("model_type", "?"))  # refuse unsupported architectures early
-    reader = gguf.GGUFReader(str(path))  # tensor types and fields transformers does not map
-    head_dim = _key_length(reader)
-    if head_dim is not None and "head_dim" not in raw:
-        raw["head_dim"] = head_dim
+    try:
+        metadata, names = read_gguf_metadata(str(path))
+        header = GgufHeader.from_file(str(path))
+        blob = np.memmap(path, mode="r", dtype=np.uint8)
+    except (ValueError, KeyError, IndexError, OSError, EOFError, UnicodeDecodeError,
+            struct.error) as e:
+        raise _unreadable(path, e) from None
+    arch = metadata["general.architecture"]
+    tensors = {info.name: info for info in header.tensors}
+
+    def values(name: str) -> np.ndarray:
+        """One tensor as float32, dequantized by gguf, in torch's shape."""
+        import gguf
+
+        info = tensors[name]
+        start = header.data_start + info.offset
+        data, kind = blob[start:start + info.nbytes], gguf.GGMLQuantizationType(info.ggml_type)
+        if kind == gguf.GGMLQuantizationType.F32:
+            out = data.view(np.float32)
+        elif kind == gguf.GGMLQuantizationType.F16:
+            out = data.view(np.float16).astype(np.float32)
+        else:
+            out = gguf.quants.dequantize(data.reshape(-1, info.nbytes // _rows(info.shape)), kind)
+        if out.size != math.prod(info.shape):
+            raise _unreadable(path, ValueError(f"tensor {name} holds {out.size} values for "
+                                               f"shape {info.shape}"))
+        return out.reshape(info.shape)
+
+    architecture(MODEL_TYPES.get(arch, arch))  # refused by name before anything is built
+    if arch not in READ:
+        raise InputError(f"{path} holds a '{arch}' model, an architecture llama.cpp does not "
+                         f"write; edgellm reads GGUF files of {', '.join(READ)}. Export the "
+                         "model's Hugging Face folder instead.")
+    try:
+        raw = _config(arch, metadata, names, values)
+    except KeyError as e:
+        raise InputError(f"{path} lacks the metadata key {e} that llama.cpp writes for a '{arch}' "
+                         "model: the file is damaged or was written by another tool.") from None
     cfg = AutoConfig.for_model(**raw)
-    with torch.device("meta"):  # the skeleton only tells transformers the names to map to
+    with torch.device("meta"):  # the skeleton only tells which Hugging Face names to map to
         skeleton = AutoModelForCausalLM.from_config(cfg)
-    state = _read(path, return_tensors=True, model_to_load=skeleton)["tensors"]
-    stored = _stored_types(reader, meta["config"], skeleton)
-    tok = meta.get("tokenizer", {})
+    hf_names = _hf_names(path, arch, cfg, skeleton)
+    processor = _processor(arch, raw)
+    state, stored = {}, {}
+    for name in names:
+        if name not in hf_names:
+            continue
+        weights = processor.process(weights=values(name), name=name).weights
+        state[hf_names[name]] = torch.from_numpy(np.array(weights, dtype=np.float32))
+        stored[hf_names[name]] = _type_name(tensors[name].ggml_type)
+    tok = {k: metadata.get(f"tokenizer.ggml.{k}") for k in ("bos_token_id", "eos_token_id", "pre")}
 
     @functools.cache
     def converted():
-        """The file's tokenizer as transformers converts it, once (it reads the file again)."""
-        from transformers import AutoTokenizer
+        """The file's tokenizer as transformers converts it, once (it walks the vocabulary)."""
+        from transformers import PreTrainedTokenizerFast
+        from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-        fix = _pre_tokenizer_fix(tok.get("pre_tokenizer_type", ""))
+        family, vocabulary, settings = get_gguf_tokenizer(str(path))
+        fast, extra = convert_gguf_tokenizer(family, vocabulary)
+        tokenizer = PreTrainedTokenizerFast(tokenizer_object=fast, **settings, **extra)
+        fix = _pre_tokenizer_fix(tok["pre"] or "")
         if fix is not None:
             tokenizer.backend_tokenizer.pre_tokenizer = fix
         return tokenizer
@@ -73,28 +142,142 @@ def load_gguf(path: Path) -> Source:
         converted().save_pretrained(str(out))
         return (out / "tokenizer.json").is_file()
 
-    eos = tok.get("eos_token_id", getattr(cfg, "eos_token_id", None))
+    eos = tok["eos_token_id"]
     return Source(hf_config=cfg, state_dict=state, origin=str(path),
                   write_tokenizer=write_tokenizer,
-                  tokenizer=lambda: converted().backend_tokenizer, bos_id=tok.get("bos_token_id"),
+                  tokenizer=lambda: converted().backend_tokenizer, bos_id=tok["bos_token_id"],
                   eos_ids=() if eos is None else (int(eos),), stored_types=stored)
 
 
-def _key_length(reader) -> int | None:
-    """The file's `ARCH.attention.key_length` (the head width), which transformers' GGUF config
-    map leaves out for some architectures (qwen3: the config then takes Qwen3Config's default of
-    128, and a model of other heads loads mis-shaped)."""
-    fields = reader.fields
-    arch = fields.get("general.architecture")
-    found = arch is not None and fields.get(f"{arch.contents()}.attention.key_length")
-    return int(found.contents()) if found else None
+def _rows(shape: tuple) -> int:
+    return math.prod(shape[:-1]) if len(shape) > 1 else 1
 
 
-def _stored_types(reader, config: dict, skeleton) -> dict:
-    """HF parameter name -> GGUF tensor type name, through transformers' own name mapping."""
-    from transformers.modeling_gguf_pytorch_utils import (TensorProcessor,
-                                                          get_gguf_hf_weights_map)
+def _type_name(ggml_type: int) -> str:
+    import gguf
 
-    names = get_gguf_hf_weights_map(skeleton, TensorProcessor(config=config))
-    return {names[t.name]: t.tensor_type.name for t in reader.tensors
-            if t.name in names}
+    return gguf.GGMLQuantizationType(ggml_type).name
+
+
+def _config(arch: str, metadata: dict, names: tuple, values) -> dict:
+    """The transformers config of the file: transformers' own builder where it has one, else its
+    key table (ours for the families it has none for), then what the tables leave out."""
+    from transformers.integrations.gguf import GGUF_CONFIG_ARCHS, get_gguf_config
+    from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
+
+    if arch in GGUF_CONFIG_ARCHS:
+        return {k: v for k, v in get_gguf_config(metadata, names).items()
+                if k != "_model_name_or_path"}
+    table = GGUF_CONFIG_MAPPING.get(arch) or EXTRA_CONFIG_KEYS[arch]
+    raw = dict(GGUF_CONFIG_DEFAULTS_MAPPING.get(arch) or {})
+    groups = ((arch, table), ("tokenizer", GGUF_CONFIG_MAPPING["tokenizer"]))
+    for prefix, keys in groups:
+        for key, field in keys.items():
+            if field is not None and f"{prefix}.{key}" in metadata:
+                raw[field] = metadata[f"{prefix}.{key}"]
+    raw["model_type"] = MODEL_TYPES.get(arch, arch)
+    raw.setdefault("pad_token_id", None)  # not a config class's default (Phi-3's 32000)
+    raw["tie_word_embeddings"] = "output.weight" not in names
+    if "vocab_size" not in raw and "tokenizer.ggml.tokens" in metadata:
+        raw["vocab_size"] = metadata["tokenizer.ggml.tokens"]  # a count: the list is not read
+    key_length = metadata.get(f"{arch}.attention.key_length")
+    if key_length is not None:  # transformers' tables leave it out for some (qwen3, phi3)
+        raw.setdefault("head_dim", int(key_length))
+    if arch in FIXES:
+        FIXES[arch](raw, metadata, names, values)
+    if "rope_freqs.weight" in names:
+        _rope_freqs(raw, values("rope_freqs.weight"))
+    return raw
+
+
+def _rope_freqs(raw: dict, factors: np.ndarray) -> None:
+    """Llama 3.1+'s frequency scaling, which llama.cpp's converter turns into one divisor per
+    frequency (`rope_freqs`) and transformers' GGUF tables drop (leaving plain RoPE, wrong past
+    the first positions' high frequencies): as LongRoPE with those divisors at every position
+    (its original context is the whole context, so it never switches, and no attention
+    scaling), transformers computes the same table."""
+    factors = factors.tolist()
+    raw["rope_parameters"] = {
+        "rope_type": "longrope", "rope_theta": raw.pop("rope_theta", 10000.0),
+        "short_factor": factors, "long_factor": factors, "attention_factor": 1.0,
+        "original_max_position_embeddings": raw["max_position_embeddings"]}
+
+
+def _gemma3(raw: dict, metadata: dict, names: tuple, values) -> None:
+    """llama.cpp's Gemma 3: the local RoPE base in `rope.freq_base_swa` (10 000 when absent),
+    five local layers to a global one unless `attention.sliding_window_pattern` says otherwise,
+    linear RoPE scaling of the global layers (4B and up) in `rope.scaling.*`, the logit soft cap
+    when the model has one, and q scaled by 1/sqrt(head_dim) except on the 62-layer 27B
+    (1/sqrt(hidden / heads)): none of these are in transformers' table."""
+    full = {"rope_type": "default", "rope_theta": raw.pop("rope_theta", 1e6)}
+    if metadata.get("gemma3.rope.scaling.type") == "linear":
+        full |= {"rope_type": "linear", "factor": float(metadata["gemma3.rope.scaling.factor"])}
+    local = float(metadata.get("gemma3.rope.freq_base_swa", 10000.0))
+    raw["rope_parameters"] = {"full_attention": full,
+                              "sliding_attention": {"rope_type": "default", "rope_theta": local}}
+    pattern = metadata.get("gemma3.attention.sliding_window_pattern", 6)  # or a flag per layer
+    sliding = pattern if isinstance(pattern, list) else [
+        i % pattern < pattern - 1 for i in range(raw["num_hidden_layers"])]
+    raw["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
+    cap = metadata.get("gemma3.final_logit_softcapping")
+    raw["final_logit_softcapping"] = float(cap) if cap else None
+    heads, width = raw["num_attention_heads"], raw["hidden_size"]
+    raw["query_pre_attn_scalar"] = (width // heads if raw["num_hidden_layers"] == 62
+                                    else raw.get("head_dim", 256))
+
+
+def _phi3(raw: dict, metadata: dict, names: tuple, values) -> None:
+    """Phi-3 and Phi-4-mini: the rotated share of each head (`rope.dimension_count`, 0.75 of it
+    on Phi-4-mini) and LongRoPE's per-frequency factors, which llama.cpp stores as the tensors
+    `rope_factors_short` / `rope_factors_long` beside `rope.scaling.original_context_length`.
+    Its `attention.sliding_window` is not read: llama.cpp runs Phi-3 with full attention."""
+    head = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
+    rotated = metadata.get("phi3.rope.dimension_count")
+    rope = {"rope_type": "default", "rope_theta": raw.pop("rope_theta", 10000.0)}
+    if rotated is not None and int(rotated) != head:
+        rope["partial_rotary_factor"] = int(rotated) / head
+    original = metadata.get("phi3.rope.scaling.original_context_length")
+    if original is not None and "rope_factors_long.weight" in names:
+        rope |= {"rope_type": "longrope", "original_max_position_embeddings": int(original),
+                 "short_factor": values("rope_factors_short.weight").tolist(),
+                 "long_factor": values("rope_factors_long.weight").tolist()}
+        raw["original_max_position_embeddings"] = int(original)
+    raw["sliding_window"] = None
+    raw["rope_parameters"] = rope
+
+
+def _smollm3(raw: dict, metadata: dict, names: tuple, values) -> None:
+    """llama.cpp leaves out RoPE on every fourth SmolLM3 layer, in code (the file says nothing)."""
+    raw["no_rope_layer_interval"] = 4
+
+
+FIXES = {"gemma3": _gemma3, "phi3": _phi3, "smollm3": _smollm3}
+
+
+def _hf_names(path: Path, arch: str, cfg, skeleton) -> dict:
+    """GGUF tensor name -> Hugging Face parameter name, through gguf's own name map (the one
+    llama.cpp's converter writes with), built once."""
+    import gguf
+
+    kind = next((k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch), None)
+    if kind is None:
+        raise InputError(f"{path}: the installed gguf package does not know architecture "
+                         f"'{arch}'; upgrade it (pip install -U gguf).")
+    names = gguf.get_tensor_name_map(kind, cfg.num_hidden_layers)
+    found = {}
+    for hf_name in skeleton.state_dict():
+        base, _, leaf = hf_name.rpartition(".")
+        gguf_name = names.get_name(base)
+        if gguf_name is not None:
+            found[f"{gguf_name}.{leaf}"] = hf_name
+    return found
+
+
+def _processor(arch: str, raw: dict):
+    """transformers' processor of the tensors llama.cpp's converter changed for this family."""
+    from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS,
+                                                          LlamaTensorProcessor, TensorProcessor)
+
+    if arch in LLAMA_PERMUTED:
+        return LlamaTensorProcessor(config=raw)
+    return TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=raw)
