@@ -59,13 +59,19 @@ def compare(a, b, method: str = "forward") -> dict:
 
 
 def models() -> dict:
-    """Architectures, backends, quantization recipes and which combinations are supported."""
+    """Architectures (and what each is read from: a Hugging Face folder, a GGUF, an ExecuTorch
+    .pth), backends, quantization recipes and which combinations are supported."""
     from .architectures import every
     from .backends import BACKENDS
     from .quantize import RECIPES
 
+    from .sources.gguf import MODEL_TYPES, READ
+
     architectures = {a.model_type: a.summary for a in every()}
-    return {"architectures": architectures,
+    from_gguf = {MODEL_TYPES.get(arch, arch) for arch in READ}
+    inputs = {a.model_type: ["folder"] + (["gguf"] if a.model_type in from_gguf else [])
+              + ([".pth"] if a.executorch else []) for a in every()}
+    return {"architectures": architectures, "inputs": inputs,
             "backends": {name: b.summary for name, b in BACKENDS.items()},
             "supported": {arch: list(BACKENDS) for arch in architectures},
             "quantize": {name: [b.name for b in BACKENDS.values() if name in b.recipes]

@@ -85,9 +85,9 @@ def cmd_models(a) -> int:
     from . import models
 
     info = models()
-    print("architectures (Hugging Face model_type):")
+    print("architectures (Hugging Face model_type; read from a folder, a GGUF, a .pth):")
     for name, text in info["architectures"].items():
-        print(f"  {name:<12} {text}")
+        print(f"  {name:<12} {text} [{', '.join(info['inputs'][name])}]")
     print("backends (chain them in order, e.g. coreml,xnnpack):")
     for name, text in info["backends"].items():
         print(f"  {name:<12} {text}")
@@ -204,7 +204,9 @@ def main(argv=None) -> int:
     run = {"export": cmd_export, "generate": cmd_generate, "models": cmd_models,
            "compare": cmd_compare, "verify": cmd_verify, "bench": cmd_bench}[a.command]
     try:
-        return run(a)
+        code = run(a)
+        sys.stdout.flush()  # here, not at exit, where a closed pipe could not be caught
+        return code
     except EdgeLLMError as e:
         if a.debug:
             raise
@@ -213,6 +215,11 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("edgellm: interrupted; nothing was written to the output folder", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader of stdout left (`edgellm models | head`): as Unix tools
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush
+        return 0
     except Exception as e:  # a library failed in a way edgellm did not foresee
         if a.debug:
             raise

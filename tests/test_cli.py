@@ -16,6 +16,13 @@ def test_models_lists_architectures_and_backends(capsys):
     assert "  8da4w      xnnpack\n" in out and "  4w         coreml\n" in out
 
 
+def test_a_reader_that_leaves_early_is_no_error():
+    """`edgellm models | head -1`: the pipe closes after one line; no internal error on stderr."""
+    run = subprocess.run(f"{sys.executable} -m edgellm.cli models | head -1", shell=True,
+                         capture_output=True, text=True, check=True)
+    assert run.stdout.startswith("architectures") and run.stderr == ""
+
+
 def test_bad_input_is_one_line_and_exit_code_2(tmp_path, capsys):
     (tmp_path / "out").mkdir()
     code = main(["export", str(tmp_path / "nowhere"), "-o", str(tmp_path / "out")])

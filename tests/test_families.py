@@ -265,3 +265,6 @@ def test_models_lists_every_family(capsys):
     for family in ("lfm3", "gemma3_text", "gemma3", "mistral", "ministral", "smollm3", "phi3",
                    "granite", "olmo2"):
         assert f"\n  {family} " in out, family
+    assert "Phi-3 and Phi-4-mini (fused projections, partial rotary, LongRoPE) " \
+        "[folder, gguf, .pth]\n" in out
+    assert "LongRoPE) [folder, gguf, .pth]\n" in out and "gated) [folder]\n" in out  # LFM3
