@@ -9,6 +9,11 @@ Each reference is one function that returns one JSON-able dict of figures:
                            Face folder or a .gguf file (dequantized by transformers)
     llama_cpp              llama.cpp through llama-cpp-python, which lives in its own venv
                            (/tmp/llamacpp-venv) and so is run as a subprocess that prints one JSON line
+    optimum_executorch     optimum-executorch's `optimum-cli export executorch` (XNNPACK, custom SDPA
+                           and KV cache), from its own venv (OPTIMUM_VENV, default /tmp/optimum-venv:
+                           it pins transformers 5.0.0rc1): export wall time, peak RSS, .pte size; then
+                           its program and, with --against OUT, edgellm's OUT/model.pte, prefill and
+                           decode interleaved in this process
 
 Every speed is measured the same way: a seeded random prompt of `prompt_len` tokens, one warm-up,
 prefill timed as the median of 3 runs from an empty cache, then `steps` greedy decode steps one
@@ -37,6 +42,8 @@ usage:
     python bench/others.py transformers HF_FOLDER OUTDIR [--max-seq-len 512]
     python bench/others.py eager HF_FOLDER_OR_GGUF
     python bench/others.py llamacpp [GGUF]
+    python bench/others.py optimum HF_FOLDER OUTDIR [--max-seq-len 4096] [--qlinear 8da4w]
+        [--against EDGELLM_OUT] [--rounds 3]
 Each prints a table; the last line is one JSON object.
 """
 
@@ -355,6 +362,80 @@ def llama_cpp(gguf_path: str = None, prompt_len: int = 64, steps: int = 32, n_ct
                 **speed(prompt_len, out["prefill_s"], out["step_s"]))
 
 
+# --- 4. optimum-executorch ----------------------------------------------------------------------
+
+
+def optimum_executorch(hf_folder: str, out_dir: str, max_seq_len: int = 4096, qlinear: str = "",
+                       against: str = "", rounds: int = 3, prompt_len: int = 64,
+                       steps: int = 32) -> dict:
+    """optimum-executorch's export in a subprocess (its own venv), then its program's speed and,
+    with `against`, edgellm's program of the same weights, alternating which runs first. Its
+    program takes forward(input_ids[1, T], cache_position[T]) (the positions, not the first one)."""
+    import statistics
+
+    venv = Path(os.environ.get("OPTIMUM_VENV", "/tmp/optimum-venv"))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [str(venv / "bin" / "optimum-cli"), "export", "executorch", "-m", str(hf_folder), "-o",
+           str(out), "--task", "text-generation", "--recipe", "xnnpack", "--use_custom_sdpa",
+           "--use_custom_kv_cache", "--max_seq_len", str(max_seq_len)]
+    cmd += ["--qlinear", qlinear] if qlinear else []
+    row = dict(tool="optimum-executorch", backend="xnnpack", qlinear=qlinear or "none",
+               max_seq_len=max_seq_len)
+    if not (out / "model.pte").is_file():
+        code, wall, rss = run_measured(cmd, out / "export.log")
+        row.update(export_wall_s=round(wall, 1), export_peak_rss_mb=rss)
+        if code != 0:
+            return dict(row, ok=False, error=last_error(out / "export.log"))
+    row.update(ok=True, pte_bytes=(out / "model.pte").stat().st_size)
+
+    import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401  (registers llama ops)
+    import executorch.kernels.quantized  # noqa: F401
+    from executorch.runtime import Runtime
+
+    runtime = Runtime.get()
+    programs = {"optimum": (out / "model.pte", True)}
+    if against:
+        programs["edgellm"] = (Path(against) / "model.pte", False)
+    figures = {name: [] for name in programs}
+    for r in range(rounds):
+        for name in (list(programs) if r % 2 == 0 else list(programs)[::-1]):
+            path, positions = programs[name]
+            method = runtime.load_program(path).load_method("forward")
+            figures[name].append(_pte_speed(method, positions, prompt_len, steps))
+            del method
+    for name, runs in figures.items():
+        row[f"{name}_prefill_tok_s"] = statistics.median(p for p, _ in runs)
+        row[f"{name}_decode_tok_s"] = statistics.median(d for _, d in runs)
+    if against:
+        row["prefill_ratio"] = round(row["edgellm_prefill_tok_s"] / row["optimum_prefill_tok_s"], 3)
+        row["decode_ratio"] = round(row["edgellm_decode_tok_s"] / row["optimum_decode_tok_s"], 3)
+    return row
+
+
+def _pte_speed(method, positions: bool, prompt_len: int, steps: int) -> tuple:
+    """(prefill tok/s: the best of PREFILL_RUNS one-call prefills, decode tok/s: the median step)
+    of a forward(tokens, positions) program: every position (optimum's cache_position) or the
+    first (edgellm's input_pos)."""
+    import torch
+
+    ids = prompt_ids(prompt_len, 1000)
+    pos = torch.arange(prompt_len) if positions else torch.tensor([0])
+    best = float("inf")
+    for _ in range(PREFILL_RUNS):
+        t0 = time.perf_counter()
+        logits = method.execute([ids, pos])[0]
+        best = min(best, time.perf_counter() - t0)
+    tok = logits.reshape(-1, logits.shape[-1])[-1].argmax().view(1, 1)
+    step_s = []
+    for i in range(steps):
+        t0 = time.perf_counter()
+        logits = method.execute([tok, torch.tensor([prompt_len + i])])[0]
+        step_s.append(time.perf_counter() - t0)
+        tok = logits.reshape(-1, logits.shape[-1])[-1].argmax().view(1, 1)
+    return round(prompt_len / best, 1), round(1 / sorted(step_s)[len(step_s) // 2], 2)
+
+
 # --- CLI ----------------------------------------------------------------------------------------
 
 
@@ -375,7 +456,11 @@ def main(argv=None):
     p.add_argument("hf_folder")
     p = sub.add_parser("llamacpp", help="llama.cpp through llama-cpp-python")
     p.add_argument("gguf_path", nargs="?")
-    for name in ("transformers", "eager", "llamacpp"):
+    p = sub.add_parser("optimum", help="optimum-executorch's export, then its .pte (and edgellm's)")
+    p.add_argument("hf_folder"), p.add_argument("out_dir")
+    p.add_argument("--max-seq-len", type=int, default=4096), p.add_argument("--qlinear", default="")
+    p.add_argument("--against", default=""), p.add_argument("--rounds", type=int, default=3)
+    for name in ("transformers", "eager", "llamacpp", "optimum"):
         sub.choices[name].add_argument("--prompt-len", type=int, default=64)
         sub.choices[name].add_argument("--steps", type=int, default=32)
     p = sub.add_parser("_export")  # the subprocess transformers_exporter measures
@@ -386,6 +471,9 @@ def main(argv=None):
         return export_with_transformers(a.hf_folder, a.out_dir, a.max_seq_len, a.prompt_len)
     if a.cmd == "transformers":
         row = transformers_exporter(a.hf_folder, a.out_dir, a.max_seq_len, a.prompt_len, a.steps)
+    elif a.cmd == "optimum":
+        row = optimum_executorch(a.hf_folder, a.out_dir, a.max_seq_len, a.qlinear, a.against,
+                                 a.rounds, a.prompt_len, a.steps)
     elif a.cmd == "eager":
         row = eager(a.hf_folder, a.prompt_len, a.steps)
     else:

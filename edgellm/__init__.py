@@ -65,11 +65,8 @@ def models() -> dict:
     from .backends import BACKENDS
     from .quantize import RECIPES
 
-    from .sources.gguf import MODEL_TYPES, READ
-
     architectures = {a.model_type: a.summary for a in every()}
-    from_gguf = {MODEL_TYPES.get(arch, arch) for arch in READ}
-    inputs = {a.model_type: ["folder"] + (["gguf"] if a.model_type in from_gguf else [])
+    inputs = {a.model_type: ["folder"] + (["gguf"] if a.gguf else [])
               + ([".pth"] if a.executorch else []) for a in every()}
     return {"architectures": architectures, "inputs": inputs,
             "backends": {name: b.summary for name, b in BACKENDS.items()},

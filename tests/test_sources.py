@@ -293,8 +293,10 @@ def test_a_q4_k_gguf_keeps_its_grid_through_export(tiny_models, prompt_ids, tmp_
 @pytest.mark.parametrize("arch, message", [
     ("gemma3n", r"Unsupported model_type 'gemma3n' \(Gemma 3n .*\)\. Supported: lfm2, lfm3"),
     ("qwen35moe", r"Unsupported model_type 'qwen3_5_moe'\. Supported:"),
-    ("lfm3", r"holds a 'lfm3' model, an architecture llama\.cpp does not write; edgellm reads "
-             r"GGUF files of llama, qwen2"),
+    ("lfm3", r"holds a 'lfm3' model, which edgellm exports from its Hugging Face folder, not "
+             r"from a GGUF file; it reads GGUF files of lfm2, llama, smollm3, qwen2, qwen3, "
+             r"gemma3, phi3, granite, olmo2 \(llama\.cpp's names\)\.$"),
+    ("bert", r"Unsupported model_type 'bert'\. Supported: lfm2, lfm3"),
 ])
 def test_a_gguf_of_another_family_is_refused_by_name(tmp_path, arch, message):
     """Refused from the file's metadata alone, before any config or weight is read."""

@@ -23,7 +23,7 @@ from torch import nn
 from ..errors import InputError
 from .layers import (KVCache, ModelOptions, RMSNorm, Rope, fold_norm, fuse_qk_weights, fused_qk,
                      head_weight, run_decoder, split_heads, write_at)
-from .registry import Architecture, ExecuTorchLayout, layer_kinds
+from .registry import Architecture, ExecuTorchLayout, GgufLayout, layer_kinds
 
 KINDS = ("conv", "full_attention")
 
@@ -358,4 +358,4 @@ EXECUTORCH = ExecuTorchLayout(
 
 ARCHITECTURE = Architecture(
     model_type="lfm2", summary="LFM2 and LFM2.5 (short-conv + attention hybrids)",
-    build=build, check=check, executorch=EXECUTORCH)
+    build=build, check=check, executorch=EXECUTORCH, gguf=GgufLayout("lfm2"))

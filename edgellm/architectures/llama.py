@@ -21,7 +21,8 @@ from torch import nn
 from ..errors import InputError
 from .layers import (FULL, KVCache, ModelOptions, RMSNorm, Rope, fold_norm, fuse_qk_weights,
                      fused_qk, head_weight, run_decoder, split_heads)
-from .registry import Architecture, ExecuTorchLayout, layer_kinds, rope_parameter_sets
+from .registry import (Architecture, ExecuTorchLayout, GgufLayout, layer_kinds,
+                       rope_parameter_sets)
 
 
 def head_dim(cfg) -> int:
@@ -413,14 +414,14 @@ def _config(p: dict, model_class: str, common: dict, tied: bool):
 
 
 def relative(model_type: str, summary: str, variant: Variant, family: str, *,
-             executorch: ExecuTorchLayout | None = None,
+             executorch: ExecuTorchLayout | None = None, gguf: GgufLayout | None = None,
              unsupported=unsupported) -> Architecture:
     """The Architecture of a Llama-layout relative: these classes with `variant`, named `family`
-    in errors, and, where ExecuTorch's export_llm has it, its layout there."""
+    in errors, and, where ExecuTorch's export_llm or llama.cpp has it, its layout there."""
     return Architecture(
         model_type=model_type, summary=summary,
         build=lambda cfg, opts, dtype: build(cfg, opts, dtype, variant, family),
-        unsupported=unsupported, executorch=executorch)
+        unsupported=unsupported, executorch=executorch, gguf=gguf)
 
 
 def meta_layout(model_classes: tuple[str, ...], meta_names: dict, problems, config,
@@ -434,4 +435,5 @@ def meta_layout(model_classes: tuple[str, ...], meta_names: dict, problems, conf
 ARCHITECTURE = relative(
     "llama", "Llama 3.x, SmolLM2 and other Llama-layout models", Variant(), "Llama",
     executorch=meta_layout(("stories110m", "llama2", "llama3", "llama3_1", "llama3_2", "smollm2"),
-                           {}, _params_problems, _config))
+                           {}, _params_problems, _config),
+    gguf=GgufLayout("llama", permuted=True))  # Mistral's files are llama ones

@@ -6,8 +6,10 @@ normalized over the whole projection, before the heads are split.
 from __future__ import annotations
 
 from . import llama
+from .registry import GgufLayout
 
 ARCHITECTURE = llama.relative(
     "olmo2", "OLMo 2 (Llama layout with post-norms and q/k norms over the projection)",
     llama.Variant(qk_norm="whole", norms="post",
-                  rotary="olmo2.modeling_olmo2:Olmo2RotaryEmbedding"), "OLMo 2")
+                  rotary="olmo2.modeling_olmo2:Olmo2RotaryEmbedding"), "OLMo 2",
+    gguf=GgufLayout("olmo2"))

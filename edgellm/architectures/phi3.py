@@ -12,6 +12,7 @@ original_max_position_embeddings), use_hf_rope.
 from __future__ import annotations
 
 from . import llama
+from .registry import GgufLayout
 
 _LONG = ("rope_scaling_short_factor", "rope_scaling_long_factor",
          "original_max_position_embeddings")
@@ -49,8 +50,30 @@ def _config(p: dict, model_class: str, common: dict, tied: bool):
                       tie_word_embeddings=tied)
 
 
+def _gguf_fix(raw: dict, key, names: tuple, values) -> None:
+    """Phi-3 and Phi-4-mini as llama.cpp writes them: the rotated share of each head
+    (`rope.dimension_count`, 0.75 of it on Phi-4-mini) and LongRoPE's per-frequency factors,
+    stored as the tensors `rope_factors_short` / `rope_factors_long` beside
+    `rope.scaling.original_context_length`. `attention.sliding_window` is not read: llama.cpp
+    runs Phi-3 with full attention."""
+    head = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
+    rotated = key("rope.dimension_count")
+    rope = {"rope_type": "default", "rope_theta": raw.pop("rope_theta", 10000.0)}
+    if rotated is not None and int(rotated) != head:
+        rope["partial_rotary_factor"] = int(rotated) / head
+    original = key("rope.scaling.original_context_length")
+    if original is not None and "rope_factors_long.weight" in names:
+        rope |= {"rope_type": "longrope", "original_max_position_embeddings": int(original),
+                 "short_factor": values("rope_factors_short.weight").tolist(),
+                 "long_factor": values("rope_factors_long.weight").tolist()}
+        raw["original_max_position_embeddings"] = int(original)
+    raw["sliding_window"] = None
+    raw["rope_parameters"] = rope
+
+
 ARCHITECTURE = llama.relative(
     "phi3", "Phi-3 and Phi-4-mini (fused projections, partial rotary, LongRoPE)",
     llama.Variant(fused=True, rotary="phi3.modeling_phi3:Phi3RotaryEmbedding"), "Phi-3",
     executorch=llama.meta_layout(("phi_4_mini",), {}, _params_problems, _config,
-                                 reads=("partial_rotary_factor", *_LONG)))
+                                 reads=("partial_rotary_factor", *_LONG)),
+    gguf=GgufLayout("phi3", fix=_gguf_fix))

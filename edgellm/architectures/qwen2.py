@@ -5,6 +5,7 @@ the q, k and v projections (o has none). Sliding-window layers keep ring buffers
 from __future__ import annotations
 
 from . import llama
+from .registry import GgufLayout
 
 
 def _params_problems(p: dict, model_class: str) -> list[str]:
@@ -32,4 +33,4 @@ ARCHITECTURE = llama.relative(
     llama.Variant(qkv_bias=True), "Qwen2", executorch=llama.meta_layout(
         ("qwen2_5_0_5b", "qwen2_5_1_5b", "qwen2_5_coder_32b"),
         {f"attention.w{x}.bias": f"self_attn.{x}_proj.bias" for x in "qkv"}, _params_problems,
-        _config, qkv_bias=True))
+        _config, qkv_bias=True), gguf=GgufLayout("qwen2"))

@@ -9,6 +9,7 @@ ring buffers (llama.layer_windows).
 from __future__ import annotations
 
 from . import llama
+from .registry import GgufLayout
 
 
 def _params_problems(p: dict, model_class: str) -> list[str]:
@@ -32,7 +33,7 @@ def _config(p: dict, model_class: str, common: dict, tied: bool):
 
 ARCHITECTURE = llama.relative(
     "qwen3", "Qwen3 dense models (Llama layout with per-head q and k norms)",
-    llama.Variant(qk_norm="head"), "Qwen3", executorch=llama.meta_layout(
+    llama.Variant(qk_norm="head"), "Qwen3", gguf=GgufLayout("qwen3"), executorch=llama.meta_layout(
         ("qwen3_0_6b", "qwen3_1_7b", "qwen3_4b"),
         {"attention.q_norm_fn.weight": "self_attn.q_norm.weight",
          "attention.k_norm_fn.weight": "self_attn.k_norm.weight"}, _params_problems, _config))

@@ -1,5 +1,6 @@
 """The architectures edgellm has, by Hugging Face model_type, and what each declares
-(`Architecture`, `ExecuTorchLayout`); the ExecuTorch model classes it refuses, with why."""
+(`Architecture`, `ExecuTorchLayout`, `GgufLayout`); the ExecuTorch model classes it refuses,
+with why."""
 
 from __future__ import annotations
 
@@ -36,6 +37,10 @@ REFUSED_TYPES = {
                     "a vision-language model: edgellm exports text decoders only (of the "
                     "multimodal folders, gemma3's text tower)"),
 }
+# llama.cpp's names (GGUF general.architecture) of refused model_types, where they differ
+GGUF_REFUSED = {"qwen35": "qwen3_5", "qwen35moe": "qwen3_5_moe", "qwen2moe": "qwen2_moe",
+                "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss", "gemma3n": "gemma3n",
+                "gemma4": "gemma4", "lfm2moe": "lfm2_moe", "qwen3next": "qwen3_next"}
 # ExecuTorch base.model_class values edgellm refuses, with the reason
 REFUSED_CLASSES = {
     **dict.fromkeys(("qwen3_5_0_8b", "qwen3_5_2b", "qwen3_5_4b"), "Qwen3.5 (gated DeltaNet "
@@ -65,6 +70,21 @@ class ExecuTorchLayout:
 
 
 @dataclass(frozen=True)
+class GgufLayout:
+    """How llama.cpp's converter (conversion/*.py) writes an architecture into a GGUF, and what
+    its loader keeps in code rather than in the file."""
+
+    arch: str  # the file's general.architecture
+    # GGUF keys (after "ARCH.") -> config fields, beyond the common ones (sources/gguf.py), for
+    # an architecture transformers has no GGUF key table for
+    keys: dict = field(default_factory=dict)
+    permuted: bool = False  # q and k rows permuted (llama.cpp's LlamaModel and its subclasses)
+    # (config dict so far, key(name, default) reading "ARCH.name", tensor names, values(name))
+    # -> None: what transformers' tables leave out and llama.cpp keeps in code or in tensors
+    fix: Callable | None = None
+
+
+@dataclass(frozen=True)
 class Architecture:
     model_type: str
     summary: str
@@ -72,6 +92,7 @@ class Architecture:
     check: Callable = lambda cfg: []  # (hf_config) -> contradictions in the config
     unsupported: Callable = lambda cfg: []  # (hf_config) -> features of a valid config it lacks
     executorch: ExecuTorchLayout | None = field(default=None, repr=False)
+    gguf: GgufLayout | None = field(default=None, repr=False)
     # a multimodal folder's (config, state dict) -> its text decoder's, which is what exports
     tower: Callable | None = field(default=None, repr=False)
 
@@ -104,6 +125,19 @@ def for_model_class(model_class: str) -> Architecture:
     hint = f" Did you mean '{close[0]}'?" if close else ""
     raise InputError(f"Unknown ExecuTorch model_class '{model_class}'.{hint} {supported} "
                      "Run `edgellm models` to see every architecture.")
+
+
+def for_gguf(arch: str, path) -> Architecture:
+    """The architecture of a GGUF's general.architecture; InputError saying why there is none
+    (refused model_types by name, from the metadata alone)."""
+    found = {a.gguf.arch: a for a in every() if a.gguf}
+    if arch in found:
+        return found[arch]
+    reads = f"it reads GGUF files of {', '.join(found)} (llama.cpp's names)"
+    if arch in MODULES:
+        raise InputError(f"{path} holds a '{arch}' model, which edgellm exports from its Hugging "
+                         f"Face folder, not from a GGUF file; {reads}.")
+    architecture(GGUF_REFUSED.get(arch, arch))  # refused by name, with why where known
 
 
 # config.json sizes the families read: each must be a positive integer where the config has it

@@ -1,15 +1,15 @@
-"""GGUF files as llama.cpp's converter writes them. The file's metadata and tensor table are read
-once with transformers' GGUF reader (which walks the vocabulary only when the tokenizer is
-wanted); the config is rebuilt from the metadata through transformers' GGUF key tables
-(`GGUF_CONFIG_MAPPING`, or its config builders for the architectures it has one for), extended
-here for the families it has no table for (granite, olmo2, smollm3) and for what its tables leave
-out (head width, Phi-3's partial rotary and LongRoPE factors, Gemma 3's attention scale and RoPE
-scaling); weights are dequantized by `gguf` (llama.cpp's own Python package), named by its tensor
-name map, with what llama.cpp's converter did undone by transformers' tensor processors (the q/k
-row permutation of the llama-derived families, Gemma's norms stored as 1 + w); the tokenizer is
-converted by transformers. Each weight's storage type (`Q4_1`, `Q8_0`, ...) is kept: 4-bit
-recipes read it to keep the file's own grids and precision choices (quantize/plan.py,
-quantize/grid.py)."""
+"""GGUF files as llama.cpp's converter writes them, for the architectures that declare how it
+does (`registry.GgufLayout`; any other is refused by name from the metadata alone). The file's
+metadata and tensor table are read once with transformers' GGUF reader (which walks the
+vocabulary only when the tokenizer is converted); the config is rebuilt from the metadata
+through transformers' GGUF builder or key table for the architecture (the common keys and the
+layout's where it has none), then the layout's `fix` restores what llama.cpp keeps in code or in
+tensors, and Llama 3's `rope_freqs` become LongRoPE factors; weights are dequantized by `gguf`
+(llama.cpp's own Python package), named by its tensor name map, with what the converter did
+undone by transformers' tensor processors (q/k row permutation where the layout says so,
+Gemma's norms stored as 1 + w, LFM2's squeezed kernels). Each weight's storage type (`Q4_1`,
+`Q8_0`, ...) is kept: 4-bit recipes read it to keep the file's own grids and precision choices
+(quantize/plan.py, quantize/grid.py)."""
 
 from __future__ import annotations
 
@@ -23,27 +23,12 @@ import torch
 from ..errors import InputError
 from .base import Source
 
-# GGUF keys (after "ARCH.") -> config fields, for the architectures transformers has no table for
-_LLAMA_KEYS = {"context_length": "max_position_embeddings", "block_count": "num_hidden_layers",
+# GGUF keys (after "ARCH.") -> config fields, for an architecture transformers has no table for
+COMMON_KEYS = {"context_length": "max_position_embeddings", "block_count": "num_hidden_layers",
                "feed_forward_length": "intermediate_size", "embedding_length": "hidden_size",
                "rope.freq_base": "rope_theta", "attention.head_count": "num_attention_heads",
                "attention.head_count_kv": "num_key_value_heads", "vocab_size": "vocab_size",
                "attention.layer_norm_rms_epsilon": "rms_norm_eps"}
-EXTRA_CONFIG_KEYS = {
-    "granite": _LLAMA_KEYS | {"attention.scale": "attention_multiplier",
-                              "embedding_scale": "embedding_multiplier",
-                              "residual_scale": "residual_multiplier",
-                              "logit_scale": "logits_scaling"},
-    "olmo2": _LLAMA_KEYS,
-    "smollm3": _LLAMA_KEYS,
-}
-READ = ("llama", "qwen2", "qwen3", "lfm2", "gemma3", "phi3", "granite", "olmo2", "smollm3")
-# llama.cpp's converter permutes q and k rows for these (LlamaModel and its subclasses); undone
-# by transformers' LlamaTensorProcessor
-LLAMA_PERMUTED = ("llama", "granite", "smollm3")
-# GGUF architecture -> model_type, where they differ
-MODEL_TYPES = {"gemma3": "gemma3_text", "qwen35": "qwen3_5", "qwen35moe": "qwen3_5_moe",
-               "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gemma3n": "gemma3n"}
 
 
 def _pre_tokenizer_fix(kind: str):
@@ -70,7 +55,7 @@ def load_gguf(path: Path) -> Source:
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.integrations.gguf import GgufHeader, read_gguf_metadata
 
-    from ..architectures.registry import architecture
+    from ..architectures.registry import for_gguf
 
     try:
         metadata, names = read_gguf_metadata(str(path))
@@ -80,6 +65,8 @@ def load_gguf(path: Path) -> Source:
             struct.error) as e:
         raise _unreadable(path, e) from None
     arch = metadata["general.architecture"]
+    found = for_gguf(arch, path)  # refused by name before anything else is read
+    layout = found.gguf
     tensors = {info.name: info for info in header.tensors}
 
     def values(name: str) -> np.ndarray:
@@ -100,13 +87,8 @@ def load_gguf(path: Path) -> Source:
                                                f"shape {info.shape}"))
         return out.reshape(info.shape)
 
-    architecture(MODEL_TYPES.get(arch, arch))  # refused by name before anything is built
-    if arch not in READ:
-        raise InputError(f"{path} holds a '{arch}' model, an architecture llama.cpp does not "
-                         f"write; edgellm reads GGUF files of {', '.join(READ)}. Export the "
-                         "model's Hugging Face folder instead.")
     try:
-        raw = _config(arch, metadata, names, values)
+        raw = _config(found, metadata, names, values)
     except KeyError as e:
         raise InputError(f"{path} lacks the metadata key {e} that llama.cpp writes for a '{arch}' "
                          "model: the file is damaged or was written by another tool.") from None
@@ -114,7 +96,7 @@ def load_gguf(path: Path) -> Source:
     with torch.device("meta"):  # the skeleton only tells which Hugging Face names to map to
         skeleton = AutoModelForCausalLM.from_config(cfg)
     hf_names = _hf_names(path, arch, cfg, skeleton)
-    processor = _processor(arch, raw)
+    processor = _processor(layout, raw)
     state, stored = {}, {}
     for name in names:
         if name not in hf_names:
@@ -159,23 +141,25 @@ def _type_name(ggml_type: int) -> str:
     return gguf.GGMLQuantizationType(ggml_type).name
 
 
-def _config(arch: str, metadata: dict, names: tuple, values) -> dict:
+def _config(found, metadata: dict, names: tuple, values) -> dict:
     """The transformers config of the file: transformers' own builder where it has one, else its
-    key table (ours for the families it has none for), then what the tables leave out."""
+    key table (the common keys and the layout's where it has none), then what the tables leave
+    out (the layout's `fix`, and Llama 3's `rope_freqs`)."""
     from transformers.integrations.gguf import GGUF_CONFIG_ARCHS, get_gguf_config
     from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
 
+    layout = found.gguf
+    arch = layout.arch
     if arch in GGUF_CONFIG_ARCHS:
         return {k: v for k, v in get_gguf_config(metadata, names).items()
                 if k != "_model_name_or_path"}
-    table = GGUF_CONFIG_MAPPING.get(arch) or EXTRA_CONFIG_KEYS[arch]
     raw = dict(GGUF_CONFIG_DEFAULTS_MAPPING.get(arch) or {})
-    groups = ((arch, table), ("tokenizer", GGUF_CONFIG_MAPPING["tokenizer"]))
-    for prefix, keys in groups:
+    table = (GGUF_CONFIG_MAPPING.get(arch) or COMMON_KEYS) | layout.keys
+    for prefix, keys in ((arch, table), ("tokenizer", GGUF_CONFIG_MAPPING["tokenizer"])):
         for key, field in keys.items():
             if field is not None and f"{prefix}.{key}" in metadata:
                 raw[field] = metadata[f"{prefix}.{key}"]
-    raw["model_type"] = MODEL_TYPES.get(arch, arch)
+    raw["model_type"] = found.model_type
     raw.setdefault("pad_token_id", None)  # not a config class's default (Phi-3's 32000)
     raw["tie_word_embeddings"] = "output.weight" not in names
     if "vocab_size" not in raw and "tokenizer.ggml.tokens" in metadata:
@@ -183,8 +167,9 @@ def _config(arch: str, metadata: dict, names: tuple, values) -> dict:
     key_length = metadata.get(f"{arch}.attention.key_length")
     if key_length is not None:  # transformers' tables leave it out for some (qwen3, phi3)
         raw.setdefault("head_dim", int(key_length))
-    if arch in FIXES:
-        FIXES[arch](raw, metadata, names, values)
+    if layout.fix is not None:
+        layout.fix(raw, lambda name, default=None: metadata.get(f"{arch}.{name}", default),
+                   names, values)
     if "rope_freqs.weight" in names:
         _rope_freqs(raw, values("rope_freqs.weight"))
     return raw
@@ -201,57 +186,6 @@ def _rope_freqs(raw: dict, factors: np.ndarray) -> None:
         "rope_type": "longrope", "rope_theta": raw.pop("rope_theta", 10000.0),
         "short_factor": factors, "long_factor": factors, "attention_factor": 1.0,
         "original_max_position_embeddings": raw["max_position_embeddings"]}
-
-
-def _gemma3(raw: dict, metadata: dict, names: tuple, values) -> None:
-    """llama.cpp's Gemma 3: the local RoPE base in `rope.freq_base_swa` (10 000 when absent),
-    five local layers to a global one unless `attention.sliding_window_pattern` says otherwise,
-    linear RoPE scaling of the global layers (4B and up) in `rope.scaling.*`, the logit soft cap
-    when the model has one, and q scaled by 1/sqrt(head_dim) except on the 62-layer 27B
-    (1/sqrt(hidden / heads)): none of these are in transformers' table."""
-    full = {"rope_type": "default", "rope_theta": raw.pop("rope_theta", 1e6)}
-    if metadata.get("gemma3.rope.scaling.type") == "linear":
-        full |= {"rope_type": "linear", "factor": float(metadata["gemma3.rope.scaling.factor"])}
-    local = float(metadata.get("gemma3.rope.freq_base_swa", 10000.0))
-    raw["rope_parameters"] = {"full_attention": full,
-                              "sliding_attention": {"rope_type": "default", "rope_theta": local}}
-    pattern = metadata.get("gemma3.attention.sliding_window_pattern", 6)  # or a flag per layer
-    sliding = pattern if isinstance(pattern, list) else [
-        i % pattern < pattern - 1 for i in range(raw["num_hidden_layers"])]
-    raw["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
-    cap = metadata.get("gemma3.final_logit_softcapping")
-    raw["final_logit_softcapping"] = float(cap) if cap else None
-    heads, width = raw["num_attention_heads"], raw["hidden_size"]
-    raw["query_pre_attn_scalar"] = (width // heads if raw["num_hidden_layers"] == 62
-                                    else raw.get("head_dim", 256))
-
-
-def _phi3(raw: dict, metadata: dict, names: tuple, values) -> None:
-    """Phi-3 and Phi-4-mini: the rotated share of each head (`rope.dimension_count`, 0.75 of it
-    on Phi-4-mini) and LongRoPE's per-frequency factors, which llama.cpp stores as the tensors
-    `rope_factors_short` / `rope_factors_long` beside `rope.scaling.original_context_length`.
-    Its `attention.sliding_window` is not read: llama.cpp runs Phi-3 with full attention."""
-    head = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
-    rotated = metadata.get("phi3.rope.dimension_count")
-    rope = {"rope_type": "default", "rope_theta": raw.pop("rope_theta", 10000.0)}
-    if rotated is not None and int(rotated) != head:
-        rope["partial_rotary_factor"] = int(rotated) / head
-    original = metadata.get("phi3.rope.scaling.original_context_length")
-    if original is not None and "rope_factors_long.weight" in names:
-        rope |= {"rope_type": "longrope", "original_max_position_embeddings": int(original),
-                 "short_factor": values("rope_factors_short.weight").tolist(),
-                 "long_factor": values("rope_factors_long.weight").tolist()}
-        raw["original_max_position_embeddings"] = int(original)
-    raw["sliding_window"] = None
-    raw["rope_parameters"] = rope
-
-
-def _smollm3(raw: dict, metadata: dict, names: tuple, values) -> None:
-    """llama.cpp leaves out RoPE on every fourth SmolLM3 layer, in code (the file says nothing)."""
-    raw["no_rope_layer_interval"] = 4
-
-
-FIXES = {"gemma3": _gemma3, "phi3": _phi3, "smollm3": _smollm3}
 
 
 def _hf_names(path: Path, arch: str, cfg, skeleton) -> dict:
@@ -273,11 +207,11 @@ def _hf_names(path: Path, arch: str, cfg, skeleton) -> dict:
     return found
 
 
-def _processor(arch: str, raw: dict):
+def _processor(layout, raw: dict):
     """transformers' processor of the tensors llama.cpp's converter changed for this family."""
     from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS,
                                                           LlamaTensorProcessor, TensorProcessor)
 
-    if arch in LLAMA_PERMUTED:
+    if layout.permuted:
         return LlamaTensorProcessor(config=raw)
-    return TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=raw)
+    return TENSOR_PROCESSORS.get(layout.arch, TensorProcessor)(config=raw)
