@@ -394,6 +394,7 @@ def optimum_executorch(hf_folder: str, out_dir: str, max_seq_len: int = 4096, ql
     from executorch.runtime import Runtime
 
     runtime = Runtime.get()
+    vocab = json.loads((Path(hf_folder) / "config.json").read_text())["vocab_size"]
     programs = {"optimum": (out / "model.pte", True)}
     if against:
         programs["edgellm"] = (Path(against) / "model.pte", False)
@@ -402,7 +403,7 @@ def optimum_executorch(hf_folder: str, out_dir: str, max_seq_len: int = 4096, ql
         for name in (list(programs) if r % 2 == 0 else list(programs)[::-1]):
             path, positions = programs[name]
             method = runtime.load_program(path).load_method("forward")
-            figures[name].append(_pte_speed(method, positions, prompt_len, steps))
+            figures[name].append(_pte_speed(method, positions, prompt_len, steps, vocab))
             del method
     for name, runs in figures.items():
         row[f"{name}_prefill_tok_s"] = statistics.median(p for p, _ in runs)
@@ -413,13 +414,13 @@ def optimum_executorch(hf_folder: str, out_dir: str, max_seq_len: int = 4096, ql
     return row
 
 
-def _pte_speed(method, positions: bool, prompt_len: int, steps: int) -> tuple:
+def _pte_speed(method, positions: bool, prompt_len: int, steps: int, vocab: int) -> tuple:
     """(prefill tok/s: the best of PREFILL_RUNS one-call prefills, decode tok/s: the median step)
     of a forward(tokens, positions) program: every position (optimum's cache_position) or the
     first (edgellm's input_pos)."""
     import torch
 
-    ids = prompt_ids(prompt_len, 1000)
+    ids = prompt_ids(prompt_len, vocab)
     pos = torch.arange(prompt_len) if positions else torch.tensor([0])
     best = float("inf")
     for _ in range(PREFILL_RUNS):
