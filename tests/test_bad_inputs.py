@@ -47,6 +47,19 @@ def corrupt_gguf(folder, tmp_path):
     return [str(path)]
 
 
+def truncated_gguf(folder, tmp_path):
+    """A whole header, then the tensor data cut off."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from test_sources import write_gguf
+
+    path = tmp_path / "model.gguf"
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
+    write_gguf(model, folder / "tokenizer.json", path)
+    path.write_bytes(path.read_bytes()[: path.stat().st_size * 3 // 4])
+    return [str(path)]
+
+
 def unreadable_tokenizer(folder, tmp_path):
     path = tmp_path / "tokenizer.json"
     path.write_text("{not json")
@@ -81,6 +94,8 @@ CASES = [
     ("llama", shard_outside_the_folder, r"model\.safetensors\.index\.json names shards outside the "
                                         r"folder: \['\.\./\.\./etc/passwd'\]"),
     ("llama", corrupt_gguf, r"model\.gguf is not a readable GGUF file \(.*\)\. It may be truncated"),
+    ("llama", truncated_gguf, r"model\.gguf is not a readable GGUF file \(ValueError: tensor "
+                              r"[a-z_.0-9]+ ends past the end of the file\)\. It may be truncated"),
     ("llama", unreadable_tokenizer, r"tokenizer\.json is not a readable tokenizer\.json"),
     ("llama", broken_tokenizer_in_folder, r"model/tokenizer\.json is not a readable "
                                           r"tokenizer\.json"),

@@ -76,6 +76,8 @@ def load_gguf(path: Path) -> Source:
         info = tensors[name]
         start = header.data_start + info.offset
         data, kind = blob[start:start + info.nbytes], gguf.GGMLQuantizationType(info.ggml_type)
+        if data.size < info.nbytes:
+            raise _unreadable(path, ValueError(f"tensor {name} ends past the end of the file"))
         if kind == gguf.GGMLQuantizationType.F32:
             out = data.view(np.float32)
         elif kind == gguf.GGMLQuantizationType.F16:
