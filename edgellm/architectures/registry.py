@@ -133,11 +133,11 @@ def for_gguf(arch: str, path) -> Architecture:
     found = {a.gguf.arch: a for a in every() if a.gguf}
     if arch in found:
         return found[arch]
-    reads = f"it reads GGUF files of {', '.join(found)} (llama.cpp's names)"
-    if arch in MODULES:
-        raise InputError(f"{path} holds a '{arch}' model, which edgellm exports from its Hugging "
-                         f"Face folder, not from a GGUF file; {reads}.")
-    architecture(GGUF_REFUSED.get(arch, arch))  # refused by name, with why where known
+    if arch not in MODULES:
+        architecture(GGUF_REFUSED.get(arch, arch))  # refused by name, with why where known
+    raise InputError(f"{path} holds a '{arch}' model, which edgellm exports from its Hugging Face "
+                     f"folder, not from a GGUF file; it reads GGUF files of {', '.join(found)} "
+                     "(llama.cpp's names).")
 
 
 # config.json sizes the families read: each must be a positive integer where the config has it
