@@ -39,8 +39,8 @@ REFUSED_TYPES = {
 }
 # llama.cpp's names (GGUF general.architecture) of refused model_types, where they differ
 GGUF_REFUSED = {"qwen35": "qwen3_5", "qwen35moe": "qwen3_5_moe", "qwen2moe": "qwen2_moe",
-                "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss", "gemma3n": "gemma3n",
-                "gemma4": "gemma4", "lfm2moe": "lfm2_moe", "qwen3next": "qwen3_next"}
+                "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss", "lfm2moe": "lfm2_moe",
+                "qwen3next": "qwen3_next"}
 # ExecuTorch base.model_class values edgellm refuses, with the reason
 REFUSED_CLASSES = {
     **dict.fromkeys(("qwen3_5_0_8b", "qwen3_5_2b", "qwen3_5_4b"), "Qwen3.5 (gated DeltaNet "

@@ -148,13 +148,29 @@ def _config(found, metadata: dict, names: tuple, values) -> dict:
     key table (the common keys and the layout's where it has none), then what the tables leave
     out (the layout's `fix`, and Llama 3's `rope_freqs`)."""
     from transformers.integrations.gguf import GGUF_CONFIG_ARCHS, get_gguf_config
-    from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
 
     layout = found.gguf
     arch = layout.arch
     if arch in GGUF_CONFIG_ARCHS:
-        return {k: v for k, v in get_gguf_config(metadata, names).items()
-                if k != "_model_name_or_path"}
+        raw = {k: v for k, v in get_gguf_config(metadata, names).items()
+               if k != "_model_name_or_path"}
+    else:
+        raw = _from_table(found, metadata, names)
+    if layout.fix is not None:
+        layout.fix(raw, lambda name, default=None: metadata.get(f"{arch}.{name}", default),
+                   names, values)
+    if "rope_freqs.weight" in names:
+        _rope_freqs(raw, values("rope_freqs.weight"))
+    return raw
+
+
+def _from_table(found, metadata: dict, names: tuple) -> dict:
+    """The config fields transformers' key table (or the common keys and the layout's) reads,
+    and what every family's file says the same way."""
+    from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
+
+    layout = found.gguf
+    arch = layout.arch
     raw = dict(GGUF_CONFIG_DEFAULTS_MAPPING.get(arch) or {})
     table = (GGUF_CONFIG_MAPPING.get(arch) or COMMON_KEYS) | layout.keys
     for prefix, keys in ((arch, table), ("tokenizer", GGUF_CONFIG_MAPPING["tokenizer"])):
@@ -169,11 +185,6 @@ def _config(found, metadata: dict, names: tuple, values) -> dict:
     key_length = metadata.get(f"{arch}.attention.key_length")
     if key_length is not None:  # transformers' tables leave it out for some (qwen3, phi3)
         raw.setdefault("head_dim", int(key_length))
-    if layout.fix is not None:
-        layout.fix(raw, lambda name, default=None: metadata.get(f"{arch}.{name}", default),
-                   names, values)
-    if "rope_freqs.weight" in names:
-        _rope_freqs(raw, values("rope_freqs.weight"))
     return raw
 
 
