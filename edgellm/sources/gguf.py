@@ -68,27 +68,7 @@ def load_gguf(path: Path) -> Source:
     found = for_gguf(arch, path)  # refused by name before anything else is read
     layout = found.gguf
     tensors = {info.name: info for info in header.tensors}
-
-    def values(name: str) -> np.ndarray:
-        """One tensor as float32, dequantized by gguf, in torch's shape."""
-        import gguf
-
-        info = tensors[name]
-        start = header.data_start + info.offset
-        data, kind = blob[start:start + info.nbytes], gguf.GGMLQuantizationType(info.ggml_type)
-        if data.size < info.nbytes:
-            raise _unreadable(path, ValueError(f"tensor {name} ends past the end of the file"))
-        if kind == gguf.GGMLQuantizationType.F32:
-            out = data.view(np.float32)
-        elif kind == gguf.GGMLQuantizationType.F16:
-            out = data.view(np.float16).astype(np.float32)
-        else:
-            out = gguf.quants.dequantize(data.reshape(-1, info.nbytes // _rows(info.shape)), kind)
-        if out.size != math.prod(info.shape):
-            raise _unreadable(path, ValueError(f"tensor {name} holds {out.size} values for "
-                                               f"shape {info.shape}"))
-        return out.reshape(info.shape)
-
+    values = functools.partial(_values, path, blob, header.data_start, tensors)
     try:
         raw = _config(found, metadata, names, values)
     except KeyError as e:
@@ -106,31 +86,54 @@ def load_gguf(path: Path) -> Source:
         weights = processor.process(weights=values(name), name=name).weights
         state[hf_names[name]] = torch.from_numpy(np.array(weights, dtype=np.float32))
         stored[hf_names[name]] = _type_name(tensors[name].ggml_type)
-    tok = {k: metadata.get(f"tokenizer.ggml.{k}") for k in ("bos_token_id", "eos_token_id", "pre")}
-
-    @functools.cache
-    def converted():
-        """The file's tokenizer as transformers converts it, once (it walks the vocabulary)."""
-        from transformers import PreTrainedTokenizerFast
-        from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
-
-        family, vocabulary, settings = get_gguf_tokenizer(str(path))
-        fast, extra = convert_gguf_tokenizer(family, vocabulary)
-        tokenizer = PreTrainedTokenizerFast(tokenizer_object=fast, **settings, **extra)
-        fix = _pre_tokenizer_fix(tok["pre"] or "")
-        if fix is not None:
-            tokenizer.backend_tokenizer.pre_tokenizer = fix
-        return tokenizer
+    converted = functools.cache(functools.partial(_tokenizer, path,
+                                                  metadata.get("tokenizer.ggml.pre") or ""))
 
     def write_tokenizer(out: Path) -> bool:
         converted().save_pretrained(str(out))
         return (out / "tokenizer.json").is_file()
 
-    eos = tok["eos_token_id"]
+    eos = metadata.get("tokenizer.ggml.eos_token_id")
     return Source(hf_config=cfg, state_dict=state, origin=str(path),
                   write_tokenizer=write_tokenizer,
-                  tokenizer=lambda: converted().backend_tokenizer, bos_id=tok["bos_token_id"],
+                  tokenizer=lambda: converted().backend_tokenizer,
+                  bos_id=metadata.get("tokenizer.ggml.bos_token_id"),
                   eos_ids=() if eos is None else (int(eos),), stored_types=stored)
+
+
+def _values(path: Path, blob: np.ndarray, data_start: int, tensors: dict, name: str) -> np.ndarray:
+    """One tensor of the mapped file as float32, dequantized by gguf, in torch's shape."""
+    import gguf
+
+    info = tensors[name]
+    start = data_start + info.offset
+    data, kind = blob[start:start + info.nbytes], gguf.GGMLQuantizationType(info.ggml_type)
+    if data.size < info.nbytes:
+        raise _unreadable(path, ValueError(f"tensor {name} ends past the end of the file"))
+    if kind == gguf.GGMLQuantizationType.F32:
+        out = data.view(np.float32)
+    elif kind == gguf.GGMLQuantizationType.F16:
+        out = data.view(np.float16).astype(np.float32)
+    else:
+        out = gguf.quants.dequantize(data.reshape(-1, info.nbytes // _rows(info.shape)), kind)
+    if out.size != math.prod(info.shape):
+        raise _unreadable(path, ValueError(f"tensor {name} holds {out.size} values for shape "
+                                           f"{info.shape}"))
+    return out.reshape(info.shape)
+
+
+def _tokenizer(path: Path, pre: str):
+    """The file's tokenizer as transformers converts it (it walks the vocabulary: called once)."""
+    from transformers import PreTrainedTokenizerFast
+    from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
+
+    family, vocabulary, settings = get_gguf_tokenizer(str(path))
+    fast, extra = convert_gguf_tokenizer(family, vocabulary)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=fast, **settings, **extra)
+    fix = _pre_tokenizer_fix(pre)
+    if fix is not None:
+        tokenizer.backend_tokenizer.pre_tokenizer = fix
+    return tokenizer
 
 
 def _rows(shape: tuple) -> int:
