@@ -155,7 +155,7 @@ def export(cfg: ExportConfig, quiet: bool = False) -> dict:
         rep = build_report(cfg, plan, source, lowered, stages, (files, pte_bytes))
         rep["delegates"], rep["weight_bytes_per_token"] = delegates, eager.weight_bytes
         rep["state"] = eager.state
-        rep["patches"] = applied
+        rep["patches"] = {**(done.patches if done else {}), **applied}
         if done:
             rep["quantization"] = done.report()
         reports.write(rep, tmp)

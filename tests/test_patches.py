@@ -108,7 +108,7 @@ def test_the_environment_switches_patches_off(monkeypatch, xnnpack_patches):
     monkeypatch.setenv(patches.SWITCH, "xnnpack.shared_weight")
     with pytest.raises(InputError, match=r"EDGELLM_NO_PATCHES='xnnpack.shared_weight' names no "
                        r"patch: xnnpack.shared_weight\. Give 'all', a module \(xnnpack, coreml, "
-                       r"vulkan, exir\) or patch names: xnnpack.shared_weights, "):
+                       r"vulkan, exir, torchao\) or patch names: xnnpack.shared_weights, "):
         patches.apply(["xnnpack"])
 
 
@@ -121,7 +121,7 @@ def test_patched_lowering_gives_the_upstream_bytes(small_lfm2, tmp_path, monkeyp
     model.pte (so the patches and verification change no byte, and the export repeats), and the
     same delegate and debug-handle maps in the ETRecord. A 2-layer LFM2 (conv, attention) whose
     XNNPACK recipe leaves its 64-wide linears in float (the in_proj chunks are views of one
-    weight), makes its 128-wide ones 8da4w (torchao's quantize ops) and its table 4-bit
+    weight), makes its 128-wide ones 8da4w (torchao's HQQ and quantize ops) and its table 4-bit
     (ExecuTorch's quant fusion)."""
     from executorch.devtools.etrecord import parse_etrecord
 
@@ -135,7 +135,8 @@ def test_patched_lowering_gives_the_upstream_bytes(small_lfm2, tmp_path, monkeyp
     report = edgellm.export(folder, output=ours, quiet=True, backends=backend, etrecord=True,
                             **SIZES, **options)
     assert report["verify"]["passed"] and set(report["patches"].values()) == {"on"}
-    assert len(report["patches"]) == (4 if backend == "xnnpack" else 5)
+    # the lowering's, and torchao's where a recipe quantizes linears
+    assert len(report["patches"]) == (4 if backend == "xnnpack" else 5) + ("quantize" in options)
     if options.get("group_size") == 128:
         q = report["quantization"]
         assert q["linears_quantized"] == 2 and len(q["linears_left_float"]) == 13
@@ -148,7 +149,7 @@ def test_patched_lowering_gives_the_upstream_bytes(small_lfm2, tmp_path, monkeyp
 
 # --- xnnpack.shared_weights ---------------------------------------------------------------------
 
-from edgellm.patches import coreml, exir, xnnpack  # noqa: E402  (imports ExecuTorch's backends)
+from edgellm.patches import coreml, exir, torchao, xnnpack  # noqa: E402  (imports backends)
 
 
 def test_the_copy_shares_only_weights_that_own_their_storage(xnnpack_patches):
@@ -315,6 +316,63 @@ def test_a_retrace_runs_each_torchao_op_once_per_shape(torchao_patch, monkeypatc
     assert n_first == len(ops) // 2 and n_again == 0
     torchao_patch.restore()
     assert not torchao_patch.installed() and retrace()[1] == len(ops)
+
+
+# --- torchao.hqq_in_blocks --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape, group, dtype, bits, iters, tol", [
+    ((64, 256), 32, torch.float32, 4, 20, 1e-5),  # converges early: the stop ends iterations
+    ((64, 256), 32, torch.float32, 4, 20, 0.05),  # blocks cross the tolerance at different steps
+    ((50, 384), 128, torch.float32, 4, 3, 1e-5),  # cut short, each block mid-way
+    ((37, 96), 96, torch.bfloat16, 8, 20, 1e-5),  # per channel, 8-bit, bf16 scales back
+    ((40, 64), 32, torch.float16, 4, 1, 1e-5)])
+def test_hqq_in_blocks_gives_upstreams_scales_and_weights(monkeypatch, shape, group, dtype, bits,
+                                                          iters, tol):
+    """Blocks of three rows (a thirteen-block weight at most), a zero row (no least-squares
+    solution: the previous scale stays) and a row on an exact grid: torchao's own function and
+    the patch's return the same int32 weights and scales, bit for bit."""
+    monkeypatch.setattr(torchao, "BLOCK_BYTES", 3 * 4 * shape[1])
+    torch.manual_seed(bits * iters)
+    w = torch.randn(shape)
+    w[1] = 0
+    w[2] = torch.randint(-(1 << bits - 1), 1 << bits - 1, (shape[1],)) * 0.01
+    w = w.to(dtype)
+    qmin, qmax = -(1 << bits - 1), (1 << bits - 1) - 1
+    kw = dict(iters=iters, early_stop_tol=tol)
+    expected = torchao._UPSTREAM(w, [1, group], qmin, qmax, **kw)
+    got = torchao.hqq_in_blocks(w, [1, group], qmin, qmax, **kw)
+    assert got[0].dtype == torch.int32 and got[1].dtype == dtype
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    assert got[1]._base is None  # not a view keeping every iteration's scales
+
+
+def test_hqq_in_blocks_is_what_torchaos_quantization_calls(monkeypatch):
+    """Installed, `quantize_` with edgellm's 8da4w config runs the patch, and the quantized linear
+    holds upstream's weights and scales; restored, upstream's function runs again."""
+    from torchao.quantization import quantize_
+
+    from edgellm.quantize.recipes import torchao_config
+
+    patch = by_name("torchao")["hqq_in_blocks"]
+    calls, blocks = [], torchao.hqq_in_blocks
+    monkeypatch.setattr(torchao, "hqq_in_blocks",
+                        lambda w, *a, **k: calls.append(tuple(w.shape)) or blocks(w, *a, **k))
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(256, 48, bias=False).requires_grad_(False)
+    models = [torch.nn.Sequential(copy.deepcopy(linear)) for _ in range(2)]
+    try:
+        patch.install()
+        quantize_(models[0], torchao_config(4, 32, dynamic=True))
+        assert patch.installed() and calls == [(48, 256)]
+        patch.restore()
+        quantize_(models[1], torchao_config(4, 32, dynamic=True))
+        assert calls == [(48, 256)]  # upstream's ran
+    finally:
+        patch.restore()
+    assert not patch.installed()
+    ours, theirs = (m[0].weight for m in models)
+    assert torch.equal(ours.qdata, theirs.qdata) and torch.equal(ours.scale, theirs.scale)
 
 
 # --- coreml.* ---------------------------------------------------------------------------------

@@ -1,11 +1,11 @@
-"""Patches: every place edgellm replaces an internal of ExecuTorch, coremltools or torch.
+"""Patches: every place edgellm replaces an internal of ExecuTorch, coremltools, torchao or torch.
 
-Each patch makes lowering cheaper (fewer copies of the weights, fewer retraces, fewer checks that
-change nothing) or repeatable, and gives the bytes upstream's code would give. A module of this
-package declares its patches as `Patch` objects: the upstream versions it was written against,
-the upstream functions it replaces or relies on, each pinned by a digest of its source (a test
-compares them: a function that changed upstream fails it, and the patch is not applied), and how to
-install it and put upstream's back.
+Each patch makes quantization or lowering cheaper (fewer copies of the weights, fewer retraces,
+fewer checks that change nothing, work in cache-sized blocks) or repeatable, and gives the bytes
+upstream's code would give. A module of this package declares its patches as `Patch` objects:
+the upstream versions it was written against, the upstream functions it replaces or relies on,
+each pinned by a digest of its source (a test compares them: a function that changed upstream
+fails it, and the patch is not applied), and how to install it and put upstream's back.
 
 `apply(names)` installs each patch that applies here and restores upstream where one does not:
 versions differ, a pinned function changed, or the environment turns it off with
@@ -27,7 +27,7 @@ from typing import Callable
 from ..errors import InputError
 
 SWITCH = "EDGELLM_NO_PATCHES"
-MODULES = ("xnnpack", "coreml", "vulkan", "exir")
+MODULES = ("xnnpack", "coreml", "vulkan", "exir", "torchao")
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field
 
 from torch import nn
 
+from .. import patches
 from ..memory import drop_checkpoint_pages
 from .grid import keep_grids, packed_bytes
 from .plan import Plan, embedding_name, plan
@@ -15,6 +16,7 @@ from .recipes import torchao_config
 # While linears are quantized, the checkpoint pages of those already done are dropped once this
 # many float bytes have been (each drop reads /proc/self/smaps, too slow to do per linear)
 DROP_PAGES_EVERY = 64 << 20
+QUANTIZE_PATCHES = ("torchao.hqq_in_blocks",)
 
 
 @dataclass
@@ -30,9 +32,10 @@ class Quantized:
     linears_on_source_grid: int = 0  # 4-bit grids kept exactly (GGUF Q4_0 / Q4_1 / Q4_K)
     linears_at_8_bits: list = field(default_factory=list)  # the source stores them above 4 bits
     embeddings_stored_as: str | None = None  # the source's type that kept the table at 8 bits
+    patches: dict = field(default_factory=dict)  # {name: "on" or why not}: report.json's `patches`
 
     def report(self) -> dict:
-        return {k: v for k, v in asdict(self).items() if k != "bytes_saved"}
+        return {k: v for k, v in asdict(self).items() if k not in ("bytes_saved", "patches")}
 
     def notes(self) -> list[str]:
         """Lines for stderr: linears left in float (a warning), grids kept, 8-bit exceptions."""
@@ -72,6 +75,7 @@ def quantize(model, cfg, stored: dict | None = None) -> Quantized:
         done.bytes_saved += _quantize_tables(model, todo)
     if todo.recipe is None:
         return done
+    done.patches = patches.apply(QUANTIZE_PATCHES)
     kept = keep_grids(model, todo.grids, todo.dynamic) if todo.grids else []
     done.linears_on_source_grid = len(kept)
     done.bytes_saved += sum(saved for _, saved in kept) + _quantize_linears(model, todo)
