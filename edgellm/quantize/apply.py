@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+import torch
 from torch import nn
 
 from .. import patches
@@ -60,12 +61,15 @@ class Quantized:
         return out
 
 
+@torch.no_grad()
 def quantize(model, cfg, stored: dict | None = None) -> Quantized:
     """Quantize the model's nn.Linear weights (cfg.quantize) and nn.Embedding tables
     (cfg.embedding_quantize) in place, as `plan.plan` decides; `stored` maps HF parameter names
     to the source's storage types (GGUF). Returns what was done and how many bytes a decode step
     reads fewer (float weights replaced by packed ones and one fp32 scale per group; an
-    embedding step reads one row either way, unless the head is the table)."""
+    embedding step reads one row either way, unless the head is the table). Without autograd, as
+    torch.export runs: the float weights require grad, and autograd recorded every op of HQQ's
+    twenty passes (the same values, 3 to 8 times slower on Phi-4-mini's linears)."""
     todo = plan(model, cfg, stored)
     done = Quantized(todo.recipe, todo.group, todo.embeddings,
                      linears_left_float=list(todo.left_float),
