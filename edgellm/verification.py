@@ -18,9 +18,11 @@ at a time from position 0 (up to 128 tokens, clipped to the cache), and how ofte
 on the next token along that text (reported, not enforced).
 
 Every check feeds the same tokens to both sides (the reference's greedy continuation), over a
-prefill and `steps` decode calls per prompt (pieces of the shipped text when the export has a
-tokenizer, else pseudo-random ids), starting each prompt at position 0 (which resets the
-state), and reports max absolute and relative error, SQNR, top-1 agreement and the first step
+prompt and `steps` tokens (pieces of the shipped text when the export has a tokenizer, else
+pseudo-random ids), starting each prompt at position 0 (which resets the state): the program
+(or graph) takes a prefill and then a token per call, as a runner does; edgellm's eager model
+takes each sequence in one call and returns every position's logits (the same causal math,
+without a pass over every weight per token), transformers recomputes the sequence. It reports max absolute and relative error, SQNR, top-1 agreement and the first step
 whose greedy token differs. Thresholds depend on dtype and quantization.
 """
 
@@ -83,6 +85,16 @@ def run_steps(forward, prefill, prompt: list[int], tokens: list[int]) -> torch.T
     for i, tok in enumerate(tokens[:-1]):
         out.append(forward(torch.tensor([[tok]]), torch.tensor([len(prompt) + i]))[0])
     return torch.stack([o.float() for o in out])
+
+
+def sequence_logits(model, ids: list[int], chunk: int) -> torch.Tensor:
+    """An eager model's logits at every position of `ids` from position 0, (len(ids), vocab), in
+    calls of at most `chunk` tokens (the longest one call takes)."""
+    from .architectures.layers import every_position
+
+    with every_position(model):
+        return torch.cat([model(torch.tensor([ids[i:i + chunk]]), torch.tensor([i]))[0]
+                          for i in range(0, len(ids), chunk)]).float()
 
 
 def eager_prefill(model):
@@ -175,7 +187,7 @@ class Verification:
                 self._reference(product)
         elif stage == "quantize":
             with self.stages.stage("expected"):
-                self.expected = self.collect(product, eager_prefill(product))
+                self.expected = self.collect_eager(product)
         elif stage == "export" and self.stand_in_needed:
             with self.stages.stage("graph"):
                 self._stand_in(product["forward"])
@@ -200,25 +212,35 @@ class Verification:
         del reference, runs
         release_memory()  # transformers' modules hold cycles too
         if cfg.dtype == "fp32":
-            actual = self.collect(model, eager_prefill(model))
+            actual = self.collect_eager(model)
         else:
             opts = self.plan.model_options(cfg, source.stored_types)
             fp32 = build_model(source.hf_config, source.state_dict, opts, torch.float32)
-            actual = self.collect(fp32, eager_prefill(fp32))
+            actual = self.collect_eager(fp32)
             del fp32
             release_memory()
         self.checks = [measure("rewrite", actual, self.ref, THRESHOLDS["fp32"])]
         if not self.quantized:  # the program is built as this model was
-            self.expected = actual if cfg.dtype == "fp32" else self.collect(
-                model, eager_prefill(model))
+            self.expected = actual if cfg.dtype == "fp32" else self.collect_eager(model)
         self.source = None
 
     def collect(self, forward, prefill) -> list:
-        """Logits along every case; eager custom ops log from C++ like the runtime's kernels."""
+        """Logits along every case, the prompt in one call and then a token per call, as the
+        program runs; eager custom ops log from C++ like the runtime's kernels."""
         from .runtime import native_logs
 
         with torch.no_grad(), native_logs():
             return [run_steps(forward, prefill, p, t) for p, t in self.cases]
+
+    def collect_eager(self, model) -> list:
+        """An eager model's logits along every case, each case's sequence in one call: the same
+        math as collect's calls (a causal model; per-token activation scales), without a pass
+        over every weight per generated token (dequantizing them, for a quantized model)."""
+        from .runtime import native_logs
+
+        with torch.no_grad(), native_logs():
+            return [sequence_logits(model, p + t[:-1], self.cfg.max_seq_len)[len(p) - 1:]
+                    for p, t in self.cases]
 
     def _stand_in(self, exported) -> None:
         """The exported graph (an ExportedProgram of `forward`) in place of the program."""

@@ -14,6 +14,7 @@ from edgellm.architectures import build_model
 from edgellm.architectures.layers import ModelOptions
 from edgellm.backends import BACKENDS
 from edgellm.cli import main
+from edgellm.verification import sequence_logits
 
 STEPS = 28  # decode calls after a 12-token prompt: 40 positions, five windows of 8
 FORMULATIONS = {name: b.writing for name, b in BACKENDS.items()}
@@ -77,9 +78,13 @@ def test_eager_matches_transformers_past_every_window(tiny_models, prompt, refer
     model = build_model(hf.config, hf.state_dict(), opts, torch.float32)
     with torch.no_grad():
         rows, actual = ladder_run(model, prompt, tokens)
+        # verification's eager runs: every position's logits, calls of max_seq_len tokens
+        every = sequence_logits(model, prompt + tokens[:-1], LONG["max_seq_len"])
         again = ladder_run(model, prompt, tokens)[1]  # a new sequence sees nothing of the last
     assert_logits_close(actual, expected[rows], atol=1e-4, what=f"{family} {writing}")
-    assert torch.equal(actual, again)
+    assert_logits_close(every[len(prompt) - 1:], expected, atol=1e-4,
+                        what=f"{family} {writing}, every position")
+    assert torch.equal(actual, again)  # and afterwards the last token's logits only, as before
 
 
 def test_a_window_changes_what_the_model_computes(tiny_models, prompt, references):

@@ -14,6 +14,7 @@ model is written decides what a backend receives (see ../shared/reference/loweri
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -393,6 +394,18 @@ def separate_tied_head(lm: nn.Module) -> None:
         lm.lm_head.weight = nn.Parameter(embed.detach(), requires_grad=False)
 
 
+@contextlib.contextmanager
+def every_position(lm: nn.Module):
+    """While inside, the eager model `lm` returns the logits of every token of a call, (1, T,
+    vocab), not the last token's: a sequence's logits in one call instead of one call per token.
+    Exports never set it: it is read when the graph is traced and leaves no trace in it."""
+    lm.every_position = True
+    try:
+        yield lm
+    finally:
+        del lm.every_position
+
+
 def run_decoder(lm: nn.Module, tokens: torch.Tensor, input_pos: torch.Tensor, final_norm: nn.Module,
                 head: torch.Tensor) -> torch.Tensor:
     """The top of every architecture: embed, every layer, final norm and head on the last token.
@@ -408,9 +421,11 @@ def run_decoder(lm: nn.Module, tokens: torch.Tensor, input_pos: torch.Tensor, fi
     *layers, last = lm.model.layers
     for layer in layers:
         x = layer(x, step)
-    # a select, not a slice: XNNPACK leaves either out, and after a select the feed-forward, final
-    # norm and head share one delegate; a static one-token step has nothing to drop
-    x = last(x, step, last_only=True) if not step.single else last(x, step)[:, -1, :]
-    logits = F.linear(final_norm(x), head)  # (1, vocab)
+    if getattr(lm, "every_position", False):  # an eager run's every logit (verification)
+        x = last(x, step)
+    else:  # a select, not a slice: XNNPACK leaves either out, and after a select the
+        # feed-forward, final norm and head share one delegate; a one-token step drops nothing
+        x = last(x, step, last_only=True) if not step.single else last(x, step)[:, -1, :]
+    logits = F.linear(final_norm(x), head)  # (1, vocab); (1, T, vocab) at every position
     finish = getattr(lm, "finish_logits", None)  # Granite's scaling, Gemma's soft cap
     return finish(logits) if finish is not None else logits
