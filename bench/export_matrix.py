@@ -1,0 +1,100 @@
+"""Export cost per stage, model x recipe x backend, in one run: each export in its own process,
+one after another, so that the host's drift touches every row alike.
+
+usage: python bench/export_matrix.py OUTDIR [--models smollm2 lfm2.5-350m=DIR qwen3-0.6b=DIR]
+                                            [--recipes fp32 8da4w] [--backends xnnpack coreml]
+                                            [--verify] [--sha]
+
+`smollm2` is the embedded SmolLM2-135M GGUF (8da4w with its `--embedding-quantize 4,32`, as the
+README's recipe); NAME=DIR any Hugging Face folder (LFM2.5-350M: ../shared/bench/anchor.sh's
+OUTDIR/hf; Qwen3-0.6B: bench/make_checkpoint.py on bench/params/). Core ML rows are fp32 only
+(its quantized recipes are weight-only). Each row: the process's wall time from outside (imports
+included) and peak RSS, the report's stages, the program's size; `--sha` adds its sha256 (to
+show a change left the bytes alone). A table, then one JSON object per row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+EDGELLM = [str(Path(sys.executable).parent / "edgellm")]  # the venv's command
+
+
+def recipe_args(model: str, recipe: str, backend: str) -> list[str] | None:
+    if recipe == "fp32":
+        return []
+    if backend != "xnnpack":
+        return None
+    return ["--quantize", recipe] + (["--embedding-quantize", "4,32"] if model == "smollm2" else [])
+
+
+def export(name: str, source: str | None, recipe: str, backend: str, out: Path, verify: bool,
+           sha: bool) -> dict | None:
+    args = recipe_args(name, recipe, backend)
+    if args is None:
+        return None
+    dest = out / f"{name}-{recipe}-{backend}"
+    cmd = EDGELLM + ["export"] + ([source] if source else []) + [
+        "--backend", backend, "-o", str(dest), "--force", "--quiet", "--json"] + args
+    cmd += [] if verify else ["--no-verify"]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    t0 = time.perf_counter()
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    row = dict(model=name, recipe=recipe, backend=backend, ok=done.returncode == 0,
+               process_wall_s=round(wall, 1),
+               # ru_maxrss of children is the largest so far: a row whose peak is below an
+               # earlier row's shows the report's own figure instead
+               process_peak_mb=peak // 1024 if peak > before else None)
+    if done.returncode != 0:
+        return dict(row, error=(done.stderr.strip().splitlines() or ["?"])[-1])
+    report = json.loads(done.stdout)
+    row.update(export_wall_s=round(report["wall_s"], 1), peak_rss_mb=round(report["peak_rss_mb"]),
+               pte_mb=round(report["pte_bytes"] / 2**20, 1),
+               stages={s["name"]: round(s["wall_s"], 1) for s in report["stages"]})
+    if sha:
+        row["sha256"] = hashlib.sha256((dest / "model.pte").read_bytes()).hexdigest()[:16]
+    return row
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("out")
+    p.add_argument("--models", nargs="+", default=["smollm2"])
+    p.add_argument("--recipes", nargs="+", default=["fp32", "8da4w"])
+    p.add_argument("--backends", nargs="+", default=["xnnpack", "coreml"])
+    p.add_argument("--verify", action="store_true")
+    p.add_argument("--sha", action="store_true")
+    a = p.parse_args(argv)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for spec in a.models:
+        name, _, source = spec.partition("=")
+        for backend in a.backends:
+            for recipe in a.recipes:
+                row = export(name, source or None, recipe, backend, out, a.verify, a.sha)
+                if row:
+                    rows.append(row)
+                    print(json.dumps(row), file=sys.stderr, flush=True)
+    print("| model | recipe | backend | wall s (process) | peak MB | stages s | .pte MB |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        stages = ", ".join(f"{k} {v}" for k, v in r.get("stages", {}).items())
+        print(f"| {r['model']} | {r['recipe']} | {r['backend']} | {r.get('export_wall_s')} "
+              f"({r['process_wall_s']}) | {r.get('peak_rss_mb')} | {stages or r.get('error')} | "
+              f"{r.get('pte_mb')} |")
+    for r in rows:
+        print(json.dumps(r))
+
+
+if __name__ == "__main__":
+    main()
