@@ -21,8 +21,9 @@ Every check feeds the same tokens to both sides (the reference's greedy continua
 prompt and `steps` tokens (pieces of the shipped text when the export has a tokenizer, else
 pseudo-random ids), starting each prompt at position 0 (which resets the state): the program
 (or graph) takes a prefill and then a token per call, as a runner does; edgellm's eager model
-takes each sequence in one call and returns every position's logits (the same causal math,
-without a pass over every weight per token), transformers recomputes the sequence. It reports max absolute and relative error, SQNR, top-1 agreement and the first step
+takes each sequence in calls of max_seq_len tokens that return every position's logits (the
+same causal math, without a pass over every weight per token); transformers recomputes the
+sequence. It reports max absolute and relative error, SQNR, top-1 agreement and the first step
 whose greedy token differs. Thresholds depend on dtype and quantization.
 """
 
