@@ -375,7 +375,6 @@ def test_hqq_in_blocks_is_what_torchaos_quantization_calls(monkeypatch):
     assert torch.equal(ours.qdata, theirs.qdata) and torch.equal(ours.scale, theirs.scale)
 
 
-
 def test_edgellms_quantize_runs_hqq_without_autograd(monkeypatch):
     """The model's float weights require grad (nn.Linear's default, as edgellm builds them):
     quantize runs without autograd, as torch.export does, so HQQ's twenty passes are not
