@@ -9,8 +9,8 @@ usage: python bench/export_matrix.py OUTDIR [--models smollm2 lfm2.5-350m=DIR qw
 README's recipe); NAME=DIR any Hugging Face folder (LFM2.5-350M: ../shared/bench/anchor.sh's
 OUTDIR/hf; Qwen3-0.6B: bench/make_checkpoint.py on bench/params/). Core ML rows are fp32 only
 (its quantized recipes are weight-only). Each row: the process's wall time from outside (imports
-included) and peak RSS, the report's stages, the program's size; `--sha` adds its sha256 (to
-show a change left the bytes alone). A table, then one JSON object per row.
+included), the report's wall time, peak RSS and stages, the program's size; `--sha` adds its
+sha256 (to show a change left the bytes alone). A table, then one JSON object per row.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import resource
 import subprocess
 import sys
 import time
@@ -44,16 +43,10 @@ def export(name: str, source: str | None, recipe: str, backend: str, out: Path, 
     cmd = EDGELLM + ["export"] + ([source] if source else []) + [
         "--backend", backend, "-o", str(dest), "--force", "--quiet", "--json"] + args
     cmd += [] if verify else ["--no-verify"]
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     t0 = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     row = dict(model=name, recipe=recipe, backend=backend, ok=done.returncode == 0,
-               process_wall_s=round(wall, 1),
-               # ru_maxrss of children is the largest so far: a row whose peak is below an
-               # earlier row's shows the report's own figure instead
-               process_peak_mb=peak // 1024 if peak > before else None)
+               process_wall_s=round(time.perf_counter() - t0, 1))
     if done.returncode != 0:
         return dict(row, error=(done.stderr.strip().splitlines() or ["?"])[-1])
     report = json.loads(done.stdout)
