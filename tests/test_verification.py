@@ -92,6 +92,37 @@ def test_a_quantized_program_passes_as_kernel_rounding_only_when_as_close_to_fp3
                                       if passes else "not explained by kernel rounding: ")
 
 
+def test_kernel_rounding_judges_the_prompts_and_the_text(exported, monkeypatch):
+    """The rule compares program and eager model against fp32 over the prompts' rows and the
+    text's (16 rows alone decided the embedded SmolLM2's 4-bit program by chance: 14.8 dB against
+    the eager model's 21.4 on them, 20.3 against 20.6 with the text's 127): the eager model's
+    logits along the text are the rows it is given beyond the prompts'."""
+    from edgellm import verification
+    from edgellm.numerics import compare
+
+    folder, report = exported("llama", backends="xnnpack", quantize="8da4w", group_size=32,
+                              embedding_quantize="4,32")
+    rows = report["verify"]["perplexity"]["tokens"] - 1
+    seen = []
+
+    def judged(check, actual, expected, ref):
+        seen.append((actual, expected, ref))
+        return check
+
+    monkeypatch.setattr(verification, "kernel_rounding", judged)
+    monkeypatch.setitem(verification.THRESHOLDS, "quantized", (300.0, 1.0))  # the check misses
+    edgellm.verify(folder)
+    (actual, expected, ref), = seen
+    cases = len(report["verify"]["prompts"])
+    assert [len(x) for x in (actual, expected, ref)] == [cases + 1] * 3
+    assert [t.shape[0] for t in actual] == [report["verify"]["steps"]] * cases + [rows]
+    for a, e, r in zip(actual, expected, ref):
+        assert a.shape == e.shape == r.shape
+    # the text's eager rows are the quantized model's, position for position: the program is
+    # far closer to them (41 dB here) than either is to fp32 (16 dB)
+    assert compare(actual[-1], expected[-1]).sqnr_db > compare(expected[-1], ref[-1]).sqnr_db + 10
+
+
 @pytest.mark.parametrize("arch, backend, options", [
     ("llama", "xnnpack", {"quantize": "8da4w", "group_size": 32, "embedding_quantize": "4,32"}),
     ("lfm2", "coreml", {"quantize": "4w"})])
