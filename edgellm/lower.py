@@ -128,7 +128,7 @@ def _takes_arguments(cached) -> bool:
 
 
 # edgellm.patches every lowering runs with, whatever the backends (theirs: Backend.patches)
-LOWERING_PATCHES = ("exir.torchao_fake_runs",)
+LOWERING_PATCHES = ("exir.torchao_fake_runs", "exir.chained_edge_passes")
 
 
 def lower(programs: dict[str, ExportedProgram], partitioners: list, constant_methods: dict,

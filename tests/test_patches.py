@@ -136,7 +136,7 @@ def test_patched_lowering_gives_the_upstream_bytes(small_lfm2, tmp_path, monkeyp
                             **SIZES, **options)
     assert report["verify"]["passed"] and set(report["patches"].values()) == {"on"}
     # the lowering's, and torchao's where a recipe quantizes linears
-    assert len(report["patches"]) == (4 if backend == "xnnpack" else 5) + ("quantize" in options)
+    assert len(report["patches"]) == (5 if backend == "xnnpack" else 6) + ("quantize" in options)
     if options.get("group_size") == 128:
         q = report["quantization"]
         assert q["linears_quantized"] == 2 and len(q["linears_left_float"]) == 13
@@ -316,6 +316,64 @@ def test_a_retrace_runs_each_torchao_op_once_per_shape(torchao_patch, monkeypatc
     assert n_first == len(ops) // 2 and n_again == 0
     torchao_patch.restore()
     assert not torchao_patch.installed() and retrace()[1] == len(ops)
+
+
+# --- exir.chained_edge_passes -----------------------------------------------------------------
+
+
+class EveryEdgeRewrite(torch.nn.Module):
+    """Something for each chained pass to rewrite (but NormalizeTranspose, whose `t` the
+    decomposition before it already made a permute): views (ReplaceBrokenOps), a scalar operand
+    (ScalarToTensor), a symbolic size as a tensor operand (SymToTensor), an int tensor added to a
+    float one (RemoveMixedTypeOperators, which inserts a `_to_copy` the later passes rewrite
+    again), a dtype copy (MemoryFormatOps), every ATen op (OpReplace)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(8, 8))
+        self.register_buffer("steps", torch.arange(8))
+
+    def forward(self, x):
+        y = (x @ self.w.t()).view(-1, 2, 4).transpose(1, 2) * 2.0
+        y = y.reshape(x.shape[0], 8) * x.shape[0] + self.steps
+        return y.to(torch.float16).float().sum(-1, keepdim=True)
+
+
+def test_chained_edge_passes_give_upstreams_program_in_two_retraces(retraces):
+    """ExecuTorch's aten-to-edge conversion with the node-by-node passes chained: the same
+    program bytes as upstream's seven retraces, from two; the rewrites each pass makes are in
+    the program (else this test would pass with a pass skipped); the pass objects ExecuTorch
+    shares between exports are handed back unchanged; restore() undoes it."""
+    from executorch.exir import EdgeCompileConfig, to_edge
+
+    ep = torch.export.export(EveryEdgeRewrite(), (torch.randn(3, 8),),
+                             dynamic_shapes=({0: torch.export.Dim("tokens", max=16)},))
+    chained = by_name("exir")["chained_edge_passes"]
+
+    def lowered():
+        retraces.clear()
+        edge = to_edge(ep, compile_config=EdgeCompileConfig(_check_ir_validity=False))
+        graph = edge.exported_program().graph_module
+        ran, edge_graph = list(retraces), (graph.code, " ".join(map(str, graph.graph.nodes)))
+        return edge.to_executorch().buffer, edge_graph, ran
+
+    chained.restore()
+    theirs, graph, ran = lowered()
+    assert chained.installed() is False and len(ran) >= 7
+    chained.install()
+    try:
+        ours, mine, ran_chained = lowered()
+        assert ran_chained.count("_Chained") == 2
+        assert len(ran) - len(ran_chained) == 5  # seven retraces became two
+        assert ours == theirs and mine[0] == graph[0]
+        for rewritten in ("aten_view_copy_default", "_lifted_tensor_constant", "scalar_tensor",
+                          "dim_order_ops__to_dim_order_copy_default_3"):
+            assert rewritten in mine[1], (rewritten, mine[1])
+        from executorch.exir.passes import base_pre_op_replace_passes
+        assert not any("_fx" in vars(p) for p in base_pre_op_replace_passes)
+    finally:
+        chained.restore()
+    assert not chained.installed()
 
 
 # --- torchao.hqq_in_blocks --------------------------------------------------------------------

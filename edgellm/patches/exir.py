@@ -15,6 +15,17 @@ argument is a fake tensor of one mode; anything else runs as before. The .pte is
 
 `exir.torchao_fake_runs` wraps `_fx` of ExecuTorch's ExportPass and of torch.export's older pass
 base (which some of ExecuTorch's aten-to-edge passes still use).
+
+`exir.chained_edge_passes`: ExecuTorch's aten-to-edge conversion (`_generate_edge_program`) runs
+its passes one after another, and seven of them are ExportPasses that rewrite node by node in
+`call_operator` alone (NormalizeTranspose, ReplaceBrokenOps, ScalarToTensor, SymToTensor, then,
+after four passes that edit the graph in place, RemoveMixedTypeOperators, OpReplace,
+MemoryFormatOps): seven retraces of the whole graph, about 4 s each on the embedded SmolLM2's 30
+layers. Consecutive ones run as one retrace (`_Chained`): each pass's closing
+`super().call_operator` hands the op to the next pass's `call_operator` instead of adding a node,
+and the last adds it. A pass sees each op as it would in its own retrace: after every earlier
+pass, before any later one, with the arguments already rebuilt by all of them; ops a pass inserts
+go through the passes after it only. Same nodes, names and metadata: the .pte is the same.
 """
 
 from __future__ import annotations
@@ -24,7 +35,8 @@ import weakref
 
 import torch
 from executorch.exir.dialects.edge._ops import EdgeOpOverload
-from executorch.exir.pass_base import _ExportPassBase
+from executorch.exir.pass_base import ExportPass, _ExportPassBase
+from executorch.exir.program import _program
 from torch._export.pass_base import _ExportPassBaseDeprecatedDoNotUse
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_leaves
@@ -112,6 +124,105 @@ def _remembering(upstream):
 _MEMOIZED_FX = {base: _remembering(fx) for base, fx in _UPSTREAM_FX.items()}
 
 
+class _Chained(ExportPass):
+    """Several ExportPasses that rewrite only in `call_operator`, in one retrace."""
+
+    def __init__(self, passes: list) -> None:
+        super().__init__()
+        self.passes = passes
+
+    def call(self, graph_module):
+        """The retrace, with each pass handing its ops on (the pass objects are ExecuTorch's
+        shared ones: they are handed back as they were)."""
+        for here, after in zip(self.passes, self.passes[1:] + [None]):
+            here._fx = self._handing_to(after)
+        try:
+            return super().call(graph_module)
+        finally:
+            for here in self.passes:
+                del here._fx
+
+    def call_operator(self, op, args, kwargs, meta):
+        return self.passes[0].call_operator(op, args, kwargs, meta)
+
+    def _handing_to(self, after):
+        """A chained pass's `_fx`: an op goes to the next pass as that pass's own retrace would
+        give it (ExportPass's interpreter calls `call_operator` for ATen and edge ops); the last
+        pass's ops, and anything that is not an op (getitem, symbolic arithmetic, the output:
+        none of the chained passes rewrites those), are added to the graph here."""
+        def _fx(kind, target, args, kwargs, meta):
+            if after is not None and kind == "call_function" and isinstance(
+                    target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket,
+                             EdgeOpOverload)):
+                return after.call_operator(target, args, kwargs, meta)
+            return self._fx(kind, target, args, kwargs, meta)
+        return _fx
+
+    def __repr__(self) -> str:
+        return f"_Chained({', '.join(type(p).__name__ for p in self.passes)})"
+
+
+def _chainable(p) -> bool:
+    from executorch.exir.passes.memory_format_ops_pass import MemoryFormatOpsPass
+    from executorch.exir.passes.normalize_transpose_pass import NormalizeTransposePass
+    from executorch.exir.passes.remove_mixed_type_operators import RemoveMixedTypeOperators
+    from executorch.exir.passes.replace_aten_with_edge_pass import OpReplacePass
+    from executorch.exir.passes.replace_broken_ops_with_function_ops_pass import (
+        ReplaceBrokenOpsWithFunctionalOpsPass)
+    from executorch.exir.passes.scalar_to_tensor_pass import ScalarToTensorPass
+    from executorch.exir.passes.sym_to_tensor_pass import SymToTensorPass
+
+    return type(p) in (NormalizeTransposePass, ReplaceBrokenOpsWithFunctionalOpsPass,
+                       ScalarToTensorPass, SymToTensorPass, RemoveMixedTypeOperators,
+                       OpReplacePass, MemoryFormatOpsPass)
+
+
+def chained(passes: list) -> list:
+    """`passes` with each run of two or more consecutive chainable passes as one `_Chained`
+    (ExecuTorch's pass manager wraps the first ones to return a PassResult, which they do)."""
+    out, run = [], []
+    for p in [*passes, None]:
+        if p is not None and _chainable(getattr(p, "__wrapped__", p)):
+            run.append(getattr(p, "__wrapped__", p))
+            continue
+        out += [_Chained(run)] if len(run) > 1 else run
+        run = []
+        if p is not None:
+            out.append(p)
+    return out
+
+
+def _generate_edge_program(config, program, core_aten_ops_exception_list=None,
+                           preserve_ops=None):
+    """ExecuTorch 1.5's `_generate_edge_program` (pinned), its pass loop over `chained(passes)`."""
+    P = _program
+    program = P.remove_unused_parameters_pass(program)
+    pre_op_replace_passes, post_op_replace_passes = P._get_aten_to_edge_passes(config)
+    passes = [P.RemoveNonCoreAtenOpGraphAssertsPass(), P.ReplaceViewOpsWithViewCopyOpsPass()]
+    passes.extend(pre_op_replace_passes)
+    passes.append(P.OpReplacePass())
+    if not config._skip_dim_order:
+        passes.append(P.MemoryFormatOpsPass())
+    gm = program.graph_module
+    for p in chained(passes):
+        gm_res = p(gm)
+        assert gm_res is not None
+        gm = gm_res.graph_module
+    edge_program = P.ExportedProgram(
+        root=gm, graph=gm.graph,
+        graph_signature=P._get_updated_graph_signature(program.graph_signature, gm),
+        state_dict=program.state_dict, range_constraints=program.range_constraints,
+        module_call_graph=program.module_call_graph, example_inputs=program.example_inputs,
+        constants=program.constants,
+        verifiers=[P.EXIREdgeDialectVerifier(
+            edge_compile_config=config, class_only=True,
+            core_aten_ops_exception_list=core_aten_ops_exception_list,
+            preserve_ops=preserve_ops)])
+    edge_program = P.lift_constant_tensor_pass(edge_program)
+    edge_program = P.convert_constant_dim_order_pass.convert_constant_dim_order_pass(edge_program)
+    return P._transform(edge_program, *post_op_replace_passes)
+
+
 def _install() -> None:
     for base, fx in _MEMOIZED_FX.items():
         base._fx = fx
@@ -122,6 +233,9 @@ def _restore() -> None:
         base._fx = fx
 
 
+_UPSTREAM_EDGE_PROGRAM = _program._generate_edge_program
+_CHAINED = "executorch.exir.passes."
+
 PATCHES = (
     Patch(name="exir.torchao_fake_runs", summary="retraces answer torchao's quantize ops from "
           "the first fake run of the same shapes", written_for={"executorch": "1.5."}, pins={
@@ -130,4 +244,26 @@ PATCHES = (
                   "fc5bee485d9e884b"},
           install=_install, restore=_restore,
           installed=lambda: all(base._fx is fx for base, fx in _MEMOIZED_FX.items())),
+    Patch(name="exir.chained_edge_passes", summary="the aten-to-edge passes that rewrite node by "
+          "node run as two retraces instead of seven", written_for={"executorch": "1.5."}, pins={
+              "executorch.exir.program._program:_generate_edge_program": "231b0ef63ff582cb",
+              "executorch.exir.program._program:_get_aten_to_edge_passes": "8661a1a814cd6423",
+              _CHAINED + "normalize_transpose_pass:NormalizeTransposePass": "9eda784569a1751e",
+              _CHAINED + "replace_broken_ops_with_function_ops_pass:"
+              "ReplaceBrokenOpsWithFunctionalOpsPass": "cd77e91fb55d9f48",
+              _CHAINED + "scalar_to_tensor_pass:ScalarToTensorPass": "32d6cd941c376504",
+              _CHAINED + "sym_to_tensor_pass:SymToTensorPass": "4b4f5a945e263c93",
+              _CHAINED + "remove_mixed_type_operators:RemoveMixedTypeOperators":
+                  "e6f1507618597d50",
+              _CHAINED + "replace_aten_with_edge_pass:OpReplacePass": "a31a8cccd25a9fc6",
+              _CHAINED + "memory_format_ops_pass:MemoryFormatOpsPass": "38438c41e1281c84",
+              "executorch.exir.pass_base:ExportPass.ExportInterpreter.call_function":
+                  "06dd589a22c1dcc6",
+              "executorch.exir.pass_base:_ExportPassBase.ExportInterpreter.call_function":
+                  "2c3670ac0cadb81e",
+              "executorch.exir.pass_base:_ExportPassBase.call_operator": "dcedf9677c29bb60",
+              "torch.fx.passes.infra.pass_manager:pass_result_wrapper": "ea1602ce8249ace3"},
+          install=lambda: setattr(_program, "_generate_edge_program", _generate_edge_program),
+          restore=lambda: setattr(_program, "_generate_edge_program", _UPSTREAM_EDGE_PROGRAM),
+          installed=lambda: _program._generate_edge_program is _generate_edge_program),
 )
