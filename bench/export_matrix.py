@@ -10,7 +10,9 @@ README's recipe); NAME=DIR any Hugging Face folder (LFM2.5-350M: ../shared/bench
 OUTDIR/hf; Qwen3-0.6B: bench/make_checkpoint.py on bench/params/). Core ML rows are fp32 only
 (its quantized recipes are weight-only). Each row: the process's wall time from outside (imports
 included), the report's wall time, peak RSS and stages, the program's size; `--sha` adds its
-sha256 (to show a change left the bytes alone). A table, then one JSON object per row.
+sha256 (to show a change left the bytes alone). A program that fails a verification check
+(random weights at 4 bits fail the recipe's accuracy bound) keeps its row, marked. A table, then
+one JSON object per row.
 """
 
 from __future__ import annotations
@@ -47,9 +49,15 @@ def export(name: str, source: str | None, recipe: str, backend: str, out: Path, 
     done = subprocess.run(cmd, capture_output=True, text=True)
     row = dict(model=name, recipe=recipe, backend=backend, ok=done.returncode == 0,
                process_wall_s=round(time.perf_counter() - t0, 1))
-    if done.returncode != 0:
+    written = dest / "report.json"
+    if done.returncode == 1 and written.is_file():  # written, verified, failed a check
+        report = json.loads(written.read_text())
+        row["verified"] = "failed: " + ", ".join(
+            c["level"] for c in report["verify"]["checks"] if not c["passed"])
+    elif done.returncode != 0:
         return dict(row, error=(done.stderr.strip().splitlines() or ["?"])[-1])
-    report = json.loads(done.stdout)
+    else:
+        report = json.loads(done.stdout)
     row.update(export_wall_s=round(report["wall_s"], 1), peak_rss_mb=round(report["peak_rss_mb"]),
                pte_mb=round(report["pte_bytes"] / 2**20, 1),
                stages={s["name"]: round(s["wall_s"], 1) for s in report["stages"]})
@@ -83,6 +91,7 @@ def main(argv=None):
     for r in rows:
         stages = ", ".join(f"{k} {v}" for k, v in r.get("stages", {}).items())
         print(f"| {r['model']} | {r['recipe']} | {r['backend']} | {r.get('export_wall_s')} "
+              f"{'(' + r['verified'] + ') ' if 'verified' in r else ''}"
               f"({r['process_wall_s']}) | {r.get('peak_rss_mb')} | {stages or r.get('error')} | "
               f"{r.get('pte_mb')} |")
     for r in rows:

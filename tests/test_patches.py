@@ -136,7 +136,7 @@ def test_patched_lowering_gives_the_upstream_bytes(small_lfm2, tmp_path, monkeyp
                             **SIZES, **options)
     assert report["verify"]["passed"] and set(report["patches"].values()) == {"on"}
     # the lowering's, and torchao's where a recipe quantizes linears
-    assert len(report["patches"]) == (5 if backend == "xnnpack" else 6) + ("quantize" in options)
+    assert len(report["patches"]) == 6 + ("quantize" in options)
     if options.get("group_size") == 128:
         q = report["quantization"]
         assert q["linears_quantized"] == 2 and len(q["linears_left_float"]) == 13
@@ -262,6 +262,63 @@ def test_the_partitioner_answers_without_a_check_only_when_every_node_passes(xnn
     assert check is None and torch.ops.aten.linear.default in ops
     ops, check = answer(torch.float64)
     assert check is not None and torch.ops.aten.linear.default in ops
+
+
+# --- xnnpack.unmatchable_patterns --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("upsampled", [False, True])
+def test_the_upsample_pass_matches_only_where_a_pattern_can(xnnpack_patches, monkeypatch,
+                                                            upsampled):
+    """Each of the pass's patterns holds an upsample_bilinear2d node; a partition without one
+    (an LLM's) neither builds nor matches them and lowers to upstream's bytes; one with a
+    bilinear upsample is matched as upstream matches it (the same bytes again)."""
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.exir import to_edge_transform_and_lower
+    from torch.fx.passes.utils import matcher_utils
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = torch.nn.Conv2d(3, 3, 1)
+
+        def forward(self, x):
+            x = self.conv(x)
+            return torch.nn.functional.interpolate(x, scale_factor=2, mode="bilinear") \
+                if upsampled else torch.relu(x)
+
+    from executorch.backends.xnnpack.partition.graphs import bilinear_2d
+
+    ep = torch.export.export(Net().eval(), (torch.randn(1, 3, 4, 4),))
+    built = bilinear_2d.get_graphs_dict()
+    for g in built:
+        assert any(n.target is xnnpack._UPSAMPLE for n in g.graph.nodes)
+    patterns = {id(g.graph) for g in built}
+    asked = []
+    monkeypatch.setattr(bilinear_2d, "get_graphs_dict", lambda: asked.append(1) or built)
+    matched, upstream = [], matcher_utils.SubgraphMatcher.match
+
+    def match(self, graph, **kwargs):  # the upsample pass's, not the partitioner's
+        matched.extend([1] if id(self.pattern) in patterns else [])
+        return upstream(self, graph, **kwargs)
+
+    monkeypatch.setattr(matcher_utils.SubgraphMatcher, "match", match)
+
+    def lowered():
+        matched.clear(), asked.clear()
+        edge = to_edge_transform_and_lower(ep, partitioner=[XnnpackPartitioner()])
+        delegated = sum(n.target.__name__ == "executorch_call_delegate"
+                        for n in edge.exported_program().graph.nodes if n.op == "call_function")
+        return edge.to_executorch().buffer, (len(asked), len(matched)), delegated
+
+    patch = xnnpack_patches["unmatchable_patterns"]
+    patch.restore()
+    theirs, their_work, delegates = lowered()
+    patch.install()
+    ours, our_work, our_delegates = lowered()
+    assert ours == theirs and our_delegates == delegates == 1
+    assert their_work[0] >= 1 and their_work[1] >= 4
+    assert our_work == (their_work if upsampled else (0, 0))
 
 
 # --- exir.torchao_fake_runs -------------------------------------------------------------------

@@ -14,6 +14,9 @@ retracing graphs nothing changed, and decomposing the program three times.
   pass rewrote anything (an LLM's partitions have no batch norm, upsample, PReLU or max pool).
   The patch runs them with `_RetraceGuard` between each such pass and ExportPass: an unchanged
   graph is handed back as it is.
+- `xnnpack.unmatchable_patterns`: `ConvertToUpsampleBilinear2d` builds four upsample patterns
+  (four exports and edge lowerings, ~4 s once a process) and matches them in every partition;
+  each holds an `upsample_bilinear2d` node, so a partition without one (an LLM's) skips both.
 - `xnnpack.one_decomposition`: the partitioner answers `ops_to_not_decompose` with a check
   function, which sends ExecuTorch down its EDGE_DO_NOT_DECOMP path (decompose, mark the nodes
   the check accepts, decompose again, unmark). When every node the check would see passes, the
@@ -34,11 +37,14 @@ import hashlib
 import numpy as np
 import torch
 from executorch.backends.xnnpack._passes import XNNPACKPass, XNNPACKPassManager
+from executorch.backends.xnnpack._passes.convert_to_upsample_bilinear2d import (
+    ConvertToUpsampleBilinear2d)
 from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
 from executorch.backends.xnnpack.xnnpack_preprocess import XnnpackBackend
 from executorch.exir._serialize._cord import FileBackedData
 from executorch.exir.backend.canonical_partitioners.config_partitioner import (
     ConfigerationBasedPartitioner)
+from executorch.exir.dialects._ops import ops as exir_ops
 from executorch.exir.pass_base import ExportPass
 from executorch.exir.program._program import _remove_invalid_ops_for_not_decompose, _transform
 from torch.fx.passes.infra.pass_base import PassResult
@@ -47,6 +53,8 @@ from . import Patch
 
 _UPSTREAM_PREPROCESS = XnnpackBackend.__dict__["preprocess"]  # a staticmethod
 _UPSTREAM_TRANSFORM = XNNPACKPassManager.__dict__["transform"]
+_UPSTREAM_UPSAMPLE = ConvertToUpsampleBilinear2d.__dict__["call"]
+_UPSAMPLE = exir_ops.edge.aten.upsample_bilinear2d.vec
 _COPY_HOOK = "copy_exported_program_for_preprocess"
 _COMPARE_CHUNK = 1 << 24  # bytes compared at a time: no temporary the size of a whole weight
 
@@ -208,6 +216,19 @@ def _answer_up_front(self, ep):
     return ops, check
 
 
+def _upsample_where_one_can_match(self, graph_module):
+    """ConvertToUpsampleBilinear2d.call without its patterns when none can match: each of its
+    four patterns holds an `upsample_bilinear2d.vec` node (tested), and `SubgraphMatcher` pairs
+    call_function nodes by target, so a graph without one matches nothing; then neither the
+    patterns (four exports and edge lowerings, once a process) nor the matching are needed. The
+    graph is recompiled and retraced as upstream ends (`skip_retraces` hands it back)."""
+    if any(n.op == "call_function" and n.target == _UPSAMPLE for n in graph_module.graph.nodes):
+        return _UPSTREAM_UPSAMPLE(self, graph_module)
+    graph_module.recompile()
+    graph_module = super(ConvertToUpsampleBilinear2d, self).call(graph_module).graph_module
+    return PassResult(graph_module, True)
+
+
 def _install_shared_weights() -> None:
     """Idempotent: the wrapper calls ExecuTorch's preprocess, never the attribute it replaced."""
     setattr(XnnpackBackend, _COPY_HOOK, classmethod(_copy_sharing_weights))
@@ -260,4 +281,15 @@ PATCHES = (
            lambda: setattr(XnnpackPartitioner, "ops_to_not_decompose", _answer_up_front),
            _restore_ops_to_not_decompose,
            lambda: XnnpackPartitioner.__dict__.get("ops_to_not_decompose") is _answer_up_front),
+    _patch("unmatchable_patterns", "XNNPACK's upsample pass neither builds nor matches its "
+           "patterns in a partition without an upsample", {
+               "executorch.backends.xnnpack._passes.convert_to_upsample_bilinear2d:"
+               "ConvertToUpsampleBilinear2d.call": "d6d9c859f8b87991",
+               "executorch.backends.xnnpack.partition.graphs.bilinear_2d:"
+               "_get_bilinear_2d_graphs": "77141bc03a50d7d1",
+               "torch.fx.passes.utils.matcher_utils:SubgraphMatcher._nodes_are_equal":
+                   "b3cf5de7a34912b7"},
+           lambda: setattr(ConvertToUpsampleBilinear2d, "call", _upsample_where_one_can_match),
+           lambda: setattr(ConvertToUpsampleBilinear2d, "call", _UPSTREAM_UPSAMPLE),
+           lambda: ConvertToUpsampleBilinear2d.__dict__["call"] is _upsample_where_one_can_match),
 )
