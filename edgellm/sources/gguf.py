@@ -82,16 +82,17 @@ def load_gguf(path: Path) -> Source:
     hf_names = _hf_names(path, arch, cfg, skeleton)
     processor = _processor(layout, raw)
     state, stored = {}, {}
+
+    def weight(name: str) -> torch.Tensor:
+        out = np.asarray(processor.process(weights=values(name), name=name).weights,
+                         dtype=np.float32)
+        return torch.from_numpy(out if _whole(out) else np.array(out))
+
     wanted = [name for name in names if name in hf_names]
     with ThreadPoolExecutor(os.cpu_count() or 1) as pool:  # numpy lets go of the GIL
-        dequantized = pool.map(values, wanted)
-    for name, weights in zip(wanted, dequantized):
-        weights = np.asarray(processor.process(weights=weights, name=name).weights,
-                             dtype=np.float32)
-        if not (weights.flags.writeable and weights.flags.c_contiguous):  # the mapped file's
-            weights = np.array(weights)
-        state[hf_names[name]] = torch.from_numpy(weights)
-        stored[hf_names[name]] = _type_name(tensors[name].ggml_type)
+        for name, tensor in zip(wanted, pool.map(weight, wanted)):
+            state[hf_names[name]] = tensor
+            stored[hf_names[name]] = _type_name(tensors[name].ggml_type)
     converted = functools.cache(functools.partial(_tokenizer, path,
                                                   metadata.get("tokenizer.ggml.pre") or ""))
 
@@ -126,6 +127,16 @@ def _values(path: Path, blob: np.ndarray, data_start: int, tensors: dict, name: 
         raise _unreadable(path, ValueError(f"tensor {name} holds {out.size} values for shape "
                                            f"{info.shape}"))
     return out.reshape(info.shape)
+
+
+def _whole(array: np.ndarray) -> bool:
+    """Whether `array` may become a tensor as it is: writeable (not the mapped file), contiguous,
+    and all of the memory it views (a part of a larger array would keep the rest alive)."""
+    base = array
+    while isinstance(base.base, np.ndarray):
+        base = base.base
+    return (array.flags.writeable and array.flags.c_contiguous and base.base is None
+            and base.nbytes == array.nbytes)
 
 
 DEQUANTIZE_CHUNK = 1 << 22  # values dequantized at once: temporaries of tens of MB
