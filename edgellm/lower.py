@@ -128,7 +128,8 @@ def _takes_arguments(cached) -> bool:
 
 
 # edgellm.patches every lowering runs with, whatever the backends (theirs: Backend.patches)
-LOWERING_PATCHES = ("exir.torchao_fake_runs", "exir.chained_edge_passes")
+LOWERING_PATCHES = ("exir.composite_fake_runs", "exir.chained_edge_passes",
+                    "exir.one_decomposition_trace", "exir.delegate_fake_outputs")
 
 
 def lower(programs: dict[str, ExportedProgram], partitioners: list, constant_methods: dict,

@@ -20,7 +20,7 @@ def test_coreml_takes_the_whole_lfm2(exported):
     assert sdpa and sdpa[0]["status"] == "intact" and sdpa[0]["in_program"] == 2
     assert report["files"]["etrecord"] == "etrecord.bin"
     assert (folder / "etrecord.bin").stat().st_size > 0
-    assert set(report["patches"]) >= {"coreml.shared_weights", "exir.torchao_fake_runs"}
+    assert set(report["patches"]) >= {"coreml.shared_weights", "exir.composite_fake_runs"}
     assert set(report["patches"].values()) == {"on"}
 
 

@@ -52,8 +52,8 @@ def retraces(monkeypatch):
 
 
 @pytest.fixture
-def torchao_patch():
-    patch = by_name("exir")["torchao_fake_runs"]
+def composite_patch():
+    patch = by_name("exir")["composite_fake_runs"]
     patch.restore()  # an export before this test installed it
     yield patch
     patch.restore()
@@ -136,7 +136,7 @@ def test_patched_lowering_gives_the_upstream_bytes(small_lfm2, tmp_path, monkeyp
                             **SIZES, **options)
     assert report["verify"]["passed"] and set(report["patches"].values()) == {"on"}
     # the lowering's, and torchao's where a recipe quantizes linears
-    assert len(report["patches"]) == 6 + ("quantize" in options)
+    assert len(report["patches"]) == 8 + ("quantize" in options)
     if options.get("group_size") == 128:
         q = report["quantization"]
         assert q["linears_quantized"] == 2 and len(q["linears_left_float"]) == 13
@@ -321,14 +321,16 @@ def test_the_upsample_pass_matches_only_where_a_pattern_can(xnnpack_patches, mon
     assert our_work == (their_work if upsampled else (0, 0))
 
 
-# --- exir.torchao_fake_runs -------------------------------------------------------------------
+# --- exir.composite_fake_runs -------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("retracer", ["executorch", "torch.export"])
-def test_a_retrace_runs_each_torchao_op_once_per_shape(torchao_patch, monkeypatch, retracer):
-    """Two 8da4w linears of one shape: their torchao ops run on fake tensors once for both, in
-    the first retrace only; every node gets the metadata a full run gives; restore() undoes it.
-    Both pass bases ExecuTorch's lowering retraces with; edge-dialect targets too."""
+def test_a_retrace_runs_each_composite_op_once_per_shape(composite_patch, monkeypatch,
+                                                         retracer):
+    """Two 8da4w linears of one shape: their torchao ops and the linears themselves run on fake
+    tensors once for both, in the first retrace only; every node gets the metadata a full run
+    gives; restore() undoes it. Both pass bases ExecuTorch's lowering retraces with; edge-dialect
+    targets too."""
     from executorch.exir.dialects._ops import ops as exir_ops
     from executorch.exir.pass_base import ExportPass
     from torch._export.passes import ReplaceViewOpsWithViewCopyOpsPass
@@ -342,9 +344,11 @@ def test_a_retrace_runs_each_torchao_op_once_per_shape(torchao_patch, monkeypatc
     ep = torch.export.export(model, (torch.randn(3, 64),),
                              dynamic_shapes=({0: torch.export.Dim("tokens", max=16)},))
     ops = [n.target for n in ep.graph.nodes if exir.memoizable(n.target)]
-    assert len(ops) >= 6 and not exir.memoizable(torch.ops.aten.linear.default)
+    assert len(ops) >= 8 and exir.memoizable(torch.ops.aten.linear.default)
     assert exir.memoizable(exir_ops.edge.torchao.choose_qparams_affine.default)
-    assert not exir.memoizable(exir_ops.edge.aten.linear.default)
+    assert exir.memoizable(exir_ops.edge.aten.linear.default)
+    assert not exir.memoizable(torch.ops.aten.mm.default)  # not composite
+    assert not exir.memoizable(torch.ops.aten.reshape.default)  # returns a view
     Pass = ExportPass if retracer == "executorch" else ReplaceViewOpsWithViewCopyOpsPass
     runs = []
     upstream = torch.fx.Interpreter.call_function
@@ -366,13 +370,13 @@ def test_a_retrace_runs_each_torchao_op_once_per_shape(torchao_patch, monkeypatc
 
     full, n_full = retrace()
     assert n_full == len(ops)  # ExecuTorch's ExportPass runs every one
-    torchao_patch.install()
+    composite_patch.install()
     first, n_first = retrace()
     again, n_again = retrace()
     assert first == again == full and full[0][1][0].startswith("s")  # symbolic tokens
     assert n_first == len(ops) // 2 and n_again == 0
-    torchao_patch.restore()
-    assert not torchao_patch.installed() and retrace()[1] == len(ops)
+    composite_patch.restore()
+    assert not composite_patch.installed() and retrace()[1] == len(ops)
 
 
 # --- exir.chained_edge_passes -----------------------------------------------------------------
@@ -433,6 +437,129 @@ def test_chained_edge_passes_give_upstreams_program_in_two_retraces(retraces):
     finally:
         chained.restore()
     assert not chained.installed()
+
+
+# --- exir.one_decomposition_trace, exir.delegate_fake_outputs ---------------------------------
+
+
+class CastAndDecomposed(torch.nn.Module):
+    """A linear whose weight reaches it through a same-dtype `.to` (the traced program's linear
+    fails XNNPACK's check, the decomposed one's passes: the cast is gone), a silu and an arange
+    (ops the decomposition table rewrites); with `doubled`, an output whose size is twice the
+    input's symbolic tokens (an expression, not a symbol)."""
+
+    def __init__(self, doubled: bool = False):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(8, 8))
+        self.v = torch.nn.Parameter(torch.randn(8, 8))
+        self.doubled = doubled
+
+    def forward(self, x):
+        y = torch.nn.functional.silu(torch.nn.functional.linear(x, self.w.to(torch.float32)))
+        y = torch.nn.functional.linear(y, self.v) + torch.arange(8)
+        return torch.cat([y, x]) if self.doubled else y
+
+
+def traced(doubled: bool = False):
+    return torch.export.export(CastAndDecomposed(doubled), (torch.randn(3, 8),),
+                               dynamic_shapes=({0: torch.export.Dim("tokens", max=16)},))
+
+
+@pytest.fixture
+def exir_patches(xnnpack_patches):
+    """{name: Patch} of patches/exir.py, each upstream's until a test installs it; XNNPACK's
+    partitioner answers up front (`xnnpack.one_decomposition`), as in every export."""
+    for p in by_name("exir").values():
+        p.restore()
+    xnnpack_patches["one_decomposition"].install()
+    yield by_name("exir")
+    for p in by_name("exir").values():
+        p.restore()
+
+
+def test_one_decomposition_trace_gives_upstreams_program_from_one_trace(exir_patches,
+                                                                        monkeypatch):
+    """Functionalized and decomposed in one trace: the bytes of upstream's two; a partitioner
+    whose check fails on the decomposed program sends the program down upstream's path (the
+    trace spent, the same bytes); restore() undoes it."""
+    import torch.export.exported_program as exported
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.exir import to_edge_transform_and_lower
+
+    traces, upstream = [], exported._decompose_exported_program
+    monkeypatch.setattr(exported, "_decompose_exported_program",
+                        lambda *a, **k: traces.append(1) or upstream(*a, **k))
+    ep = traced()
+
+    def lowered():
+        to_edge_transform_and_lower(ep, partitioner=[XnnpackPartitioner()])  # patterns built
+        traces.clear()
+        return to_edge_transform_and_lower(
+            ep, partitioner=[XnnpackPartitioner()]).to_executorch().buffer, len(traces)
+
+    patch = exir_patches["one_decomposition_trace"]
+    theirs, their_traces = lowered()
+    patch.install()
+    ours, our_traces = lowered()
+    assert (their_traces, our_traces) == (2, 1) and ours == theirs
+    with monkeypatch.context() as m:  # XNNPACK's check refusing every linear: upstream's path
+        answer = XnnpackPartitioner.ops_to_not_decompose
+        m.setattr(XnnpackPartitioner, "ops_to_not_decompose",
+                  lambda self, p: (answer(self, p)[0], lambda n: False))
+        refused, refused_traces = lowered()
+        patch.restore()
+        refused_upstream, upstream_traces = lowered()
+    assert refused == refused_upstream != theirs and refused_traces == upstream_traces + 1
+    assert not patch.installed()
+
+    class Listing:  # ops listed from the graph shown (Core ML's): upstream's path
+        def ops_to_not_decompose(self, p):
+            return [torch.ops.aten.linear.default], None
+
+    accepting = XnnpackPartitioner()  # a check every node passes (XNNPACK's upstream answer)
+    accepting.ops_to_not_decompose = lambda p: (answer(accepting, p)[0], lambda n: True)
+    traces.clear()
+    assert exir._decomposed_once(ep, [Listing()]) is None and not traces
+    assert exir._decomposed_once(ep, [accepting]) is None and not traces
+
+
+@pytest.mark.parametrize("doubled", [False, True])
+def test_delegate_outputs_come_from_the_delegates_metadata(exir_patches, monkeypatch, doubled):
+    """A retrace past the delegates (to_executorch's) makes each delegate's outputs from its
+    program's metadata, as running the program gives them (symbolic tokens included), and runs
+    no delegate program; an output size that is an expression (2 * tokens) runs upstream's. The
+    bytes are upstream's either way."""
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.exir import to_edge_transform_and_lower
+
+    ep = traced(doubled)
+    patch = exir_patches["delegate_fake_outputs"]
+    runs, upstream = [], exir._UPSTREAM_CALL_DELEGATE
+    monkeypatch.setattr(exir, "_UPSTREAM_CALL_DELEGATE",
+                        lambda *a: runs.append(1) or upstream(*a))
+
+    def lowered():
+        runs.clear()
+        edge = to_edge_transform_and_lower(ep, partitioner=[XnnpackPartitioner()])
+        return edge, edge.to_executorch().buffer
+
+    edge, theirs = lowered()
+    patch.install()
+    _, ours = lowered()
+    assert ours == theirs and len(runs) == (2 if doubled else 0)  # SpecProp's and dim order's
+    gm = edge.exported_program().graph_module
+    (call,) = [n for n in gm.graph.nodes if "call_delegate" in str(n.target)]
+    module, *args = [getattr(gm, a.target) if a.op == "get_attr" else a.meta["val"]
+                     for a in call.args]
+    with args[0].fake_mode:
+        made = exir._outputs_from_metadata(module.original_module, tuple(args))
+        run = upstream(module, *args)
+    if doubled:
+        assert made is None and str(run[0].shape[0]) == f"2*{args[0].shape[0]}"
+    else:
+        describe = [(str(t.shape), t.stride(), t.dtype, type(t)) for t in run]
+        assert [(str(t.shape), t.stride(), t.dtype, type(t)) for t in made] == describe
+        assert str(made[0].shape[0]).startswith("s") and type(made) is type(run)
 
 
 # --- torchao.hqq_in_blocks --------------------------------------------------------------------

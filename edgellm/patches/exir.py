@@ -1,20 +1,19 @@
-"""Retraces without re-running torchao's quantize ops on fake tensors: a patch of ExecuTorch
-1.5's ExportPass and of torch.export's older pass base.
+"""Patches of ExecuTorch 1.5's lowering (and torch.export's older pass base it still uses):
+fewer fake runs, retraces and decompositions of the whole graph, the same program.
 
-Every ExportPass retraces its graph: each node's op runs again on fake tensors to give the new
-node its metadata. torchao's quantize primitives (`choose_qparams_affine`, `quantize_affine`,
-`dequantize_affine`) are CompositeImplicitAutograd ops, so each of those runs is their Python
-body, twenty-odd ATen ops. An 8da4w program holds four per linear, and lowering retraces it some
-twenty times (aten-to-edge passes, XNNPACK's passes, `to_executorch`).
-
+`exir.composite_fake_runs`: every ExportPass retraces its graph: each node's op runs again on
+fake tensors to give the new node its metadata. torchao's quantize primitives
+(`choose_qparams_affine`, `quantize_affine`, `dequantize_affine`) and the ATen ops a partitioner
+keeps whole (`linear`, which XNNPACK keeps) are CompositeImplicitAutograd ops, so each of those
+runs is their Python body: twenty-odd ATen ops for a quantize op, `matmul`'s symbolic
+reshaping for a linear. An 8da4w program holds four of the first per linear, and lowering
+retraces it some twenty times (aten-to-edge passes, XNNPACK's passes, `to_executorch`).
 A fake run of such an op has no data: its outputs' shapes, strides and dtypes follow from its
 inputs' and its other arguments, which is what ExecuTorch keeps from the run. `_Remembering`
 keeps them per fake mode (the symbolic sizes belong to its ShapeEnv) and answers a repeat with
-new empty fake tensors of the same metadata. Only functional torchao ops, only when every tensor
-argument is a fake tensor of one mode; anything else runs as before. The .pte is the same.
-
-`exir.torchao_fake_runs` wraps `_fx` of ExecuTorch's ExportPass and of torch.export's older pass
-base (which some of ExecuTorch's aten-to-edge passes still use).
+new empty fake tensors of the same metadata. Only functional composite ops, only when every
+tensor argument is a fake tensor of one mode; anything else runs as before. It wraps `_fx` of
+ExecuTorch's ExportPass and of torch.export's older pass base.
 
 `exir.chained_edge_passes`: ExecuTorch's aten-to-edge conversion (`_generate_edge_program`) runs
 its passes one after another, and seven of them are ExportPasses that rewrite node by node in
@@ -26,12 +25,29 @@ layers. Consecutive ones run as one retrace (`_Chained`): each pass's closing
 and the last adds it. A pass sees each op as it would in its own retrace: after every earlier
 pass, before any later one, with the arguments already rebuilt by all of them; ops a pass inserts
 go through the passes after it only. Same nodes, names and metadata: the .pte is the same.
+
+`exir.one_decomposition_trace`: `to_edge_transform_and_lower` functionalizes each program
+(`run_decompositions({})`, a whole AOT trace), asks the partitioner which ops to keep, and
+decomposes the rest (a second trace). When the partitioner keeps its ops without a check
+function (XNNPACK's, answered up front by `xnnpack.one_decomposition`), one trace does both with
+the same table; the partitioner is asked again on the result, and if a node fails its check
+there, upstream's path runs instead (the trace spent). SmolLM2 8da4w: 58 s of 320 s.
+
+`exir.delegate_fake_outputs`: a retrace of a program that holds delegates (two of
+`to_executorch`'s passes) makes each delegate's outputs by running the delegate's whole
+original program on fake tensors (`call_delegate_cpu`): a fake run of the entire model, twice.
+The delegate's program already holds its outputs' metadata; each symbolic size there is one of
+its inputs' symbols, which this call's arguments give. Where that does not hold (a size that is
+an expression, strides that are not contiguous, mutated buffers), upstream's run.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
+import importlib
 import weakref
+from collections import defaultdict
 
 import torch
 from executorch.exir.dialects.edge._ops import EdgeOpOverload
@@ -39,7 +55,7 @@ from executorch.exir.pass_base import ExportPass, _ExportPassBase
 from executorch.exir.program import _program
 from torch._export.pass_base import _ExportPassBaseDeprecatedDoNotUse
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_unflatten
 
 from . import Patch
 
@@ -53,11 +69,12 @@ _SEEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 @functools.cache
 def memoizable(op) -> bool:
-    """A functional torchao op that runs as its Python decomposition, as an ATen-dialect target
-    or wrapped as an edge op."""
+    """A functional op that runs as its Python decomposition (a torchao quantize op, or an ATen
+    op a partitioner kept whole: `linear`), as an ATen-dialect target or wrapped as an edge
+    op."""
     if isinstance(op, EdgeOpOverload):
         op = op._op
-    return (isinstance(op, torch._ops.OpOverload) and op.namespace == "torchao"
+    return (isinstance(op, torch._ops.OpOverload)
             and torch._C._dispatch_has_kernel_for_dispatch_key(op.name(),
                                                                "CompositeImplicitAutograd")
             and not op._schema.is_mutable
@@ -223,6 +240,165 @@ def _generate_edge_program(config, program, core_aten_ops_exception_list=None,
     return P._transform(edge_program, *post_op_replace_passes)
 
 
+def _decomposed_once(program, partitioners: list):
+    """(program, ops preserved) from one `run_decompositions` that functionalizes and decomposes
+    together, keeping the ops the program's one partitioner names. Only for a configuration-based
+    partitioner (XNNPACK's), whose ops come from its configs, not from the graph (Core ML's list
+    the ops of the program they are shown). Tried when it answers `ops_to_not_decompose` without
+    a check function, or with one that a node of the traced program fails (a cast that the
+    decomposition removes hides a weight: the decomposed program may pass); taken when it then
+    answers on the result without one, naming the same ops. Else None, upstream's
+    decompositions follow (a check every traced node passes: XNNPACK's without
+    `xnnpack.one_decomposition`)."""
+    from executorch.exir.backend.canonical_partitioners.config_partitioner import (
+        ConfigerationBasedPartitioner)
+
+    P = _program
+    if len(partitioners) != 1 or not isinstance(partitioners[0],
+                                                ConfigerationBasedPartitioner):
+        return None
+    (partitioner,) = partitioners
+    ops, check = partitioner.ops_to_not_decompose(program)
+    if check is not None:
+        kept = set(ops)
+        if all(check(n) for n in program.graph.nodes
+               if n.op == "call_function" and n.target in kept):
+            return None
+        ops = P._remove_invalid_ops_for_not_decompose(list(ops))  # as `_answer_up_front` gives
+    table = P._default_decomposition_table()
+    preserved = [op for op in ops if table.pop(op, None) is not None]
+    decomposed = program.run_decompositions(table)
+    again, check = partitioner.ops_to_not_decompose(decomposed)
+    if check is not None or list(again) != ops:
+        return None
+    return decomposed, preserved
+
+
+def _gen_edge_manager_for_partitioners(partitioner, aten_programs, config, constant_methods,
+                                       generate_etrecord=False):
+    """ExecuTorch 1.5's `_gen_edge_manager_for_partitioners` (pinned), a program decomposed by
+    `_decomposed_once` where it can be; the rest as upstream."""
+    P = _program
+    ops_set_to_not_decompose_by_program = defaultdict(list)
+    edge_programs = {}
+    for name, program in aten_programs.items():
+        partitioners_for_program = partitioner.get(name, []) if partitioner is not None else []
+        program = P._apply_pre_decomposition_transforms(program, partitioners_for_program)
+        once = (_decomposed_once(program, partitioners_for_program)
+                if partitioner is not None else None)
+        if once is not None:
+            program, ops_set_to_not_decompose_by_program[name] = once
+        else:
+            program = _upstream_decompositions(program, partitioner, partitioners_for_program,
+                                               name, config, ops_set_to_not_decompose_by_program)
+        edge_programs[name] = P._generate_edge_program(
+            config, program, preserve_ops=ops_set_to_not_decompose_by_program.get(name, []))
+
+    all_ops_not_to_decompose = list(set().union(*ops_set_to_not_decompose_by_program.values()))
+    config._core_aten_ops_exception_list = list(
+        set(config._core_aten_ops_exception_list) | set(all_ops_not_to_decompose))
+    edge_manager = P.EdgeProgramManager(edge_programs, constant_methods, config,
+                                        all_ops_not_to_decompose)
+    if generate_etrecord:
+        etrecord = P._create_empty_etrecord()
+        etrecord.add_exported_program(aten_programs)
+        etrecord.add_edge_dialect_program(copy.deepcopy(edge_manager))
+        edge_manager._etrecord = etrecord
+    return edge_manager
+
+
+def _upstream_decompositions(program, partitioner, partitioners_for_program, name, config,
+                             ops_set_to_not_decompose_by_program):
+    """The loop body of upstream's `_gen_edge_manager_for_partitioners`, as it is there."""
+    P = _program
+    # Functionalize program before asking partitioners to preserve ops
+    program = program.run_decompositions({})
+    if partitioner is not None:
+        final_ops_to_preserve = set()
+        if not partitioners_for_program:
+            table = P._default_decomposition_table()
+            for op in config.preserve_ops:
+                table.pop(op, None)
+            program = program.run_decompositions(table)
+        for curr_partitioner in partitioners_for_program:
+            curr_ops_no_decomp, _ = curr_partitioner.ops_to_not_decompose(program)
+            if P._can_skip_using_EDGE_DO_NOT_DECOMP(curr_partitioner, program):
+                table = P._default_decomposition_table()
+                ops_needing_preservation = []
+                for op in curr_ops_no_decomp:
+                    if table.pop(op, None) is not None:
+                        ops_needing_preservation.append(op)
+                if P.contains_any_call_fn_target_op(program.graph_module, table):
+                    program = program.run_decompositions(table)
+                final_ops_to_preserve.update(ops_needing_preservation)
+            else:
+                curr_ops_no_decomp = P._remove_invalid_ops_for_not_decompose(curr_ops_no_decomp)
+                table = P._default_decomposition_table()
+                for op in curr_ops_no_decomp:
+                    table.pop(op, None)
+                program = program.run_decompositions(table)
+                temp_partitioner_dict = {name: [curr_partitioner]}
+                preserved_ops = (P._replace_aten_ops_with_transformed_ops(
+                    name, program, temp_partitioner_dict) or [])
+                final_ops_to_preserve.update(preserved_ops)
+                program = program.run_decompositions(P._default_decomposition_table())
+                P._restore_transformed_ops_to_aten_ops(program)
+        ops_set_to_not_decompose_by_program[name].extend(final_ops_to_preserve)
+    return program
+
+
+def _delegate_outputs(lowered_module, *args):
+    """`call_delegate_cpu` where every tensor argument is a fake tensor: the outputs made from the
+    delegate's own program (its output nodes' metadata, each symbolic size put in terms of this
+    call's arguments), instead of running that program on the fake tensors. Anything this cannot
+    map (a size that is an expression, strides that are not contiguous, mutated buffers, a
+    non-tensor output) runs upstream's."""
+    outputs = _outputs_from_metadata(lowered_module.original_module, args)
+    if outputs is None:
+        return _UPSTREAM_CALL_DELEGATE(lowered_module, *args)
+    return outputs
+
+
+def _outputs_from_metadata(program, args):
+    leaves = tree_leaves(args)
+    if not leaves or not all(isinstance(a, FakeTensor) for a in leaves):
+        return None
+    signature = program.graph_signature
+    if (signature.buffers_to_mutate or signature.user_inputs_to_mutate
+            or program.call_spec.out_spec is None):
+        return None
+    inputs = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
+    recorded = [inputs[name].meta.get("val") for name in signature.user_inputs]
+    if len(recorded) != len(leaves):
+        return None
+    sizes = {}  # the program's size symbols -> this call's sizes
+    for was, now in zip(recorded, leaves):
+        if not isinstance(was, FakeTensor) or was.dtype != now.dtype or was.dim() != now.dim():
+            return None
+        for a, b in zip(was.shape, now.shape):
+            if isinstance(a, torch.SymInt):
+                expr = a.node.expr
+                if not expr.is_Symbol or str(sizes.setdefault(expr, b)) != str(b):
+                    return None
+            elif isinstance(b, torch.SymInt) or a != b:
+                return None
+    output = next(n for n in reversed(program.graph.nodes) if n.op == "output")
+    made = []
+    for node in output.args[0]:
+        val = getattr(node, "meta", {}).get("val")
+        if not isinstance(val, FakeTensor) or not val.is_contiguous():
+            return None
+        shape = []
+        for d in val.shape:
+            if isinstance(d, torch.SymInt):
+                if d.node.expr not in sizes:
+                    return None
+                d = sizes[d.node.expr]
+            shape.append(d)
+        made.append(leaves[0].new_empty(shape, dtype=val.dtype, device=val.device))
+    return tree_unflatten(made, program.call_spec.out_spec)
+
+
 def _install() -> None:
     for base, fx in _MEMOIZED_FX.items():
         base._fx = fx
@@ -233,12 +409,25 @@ def _restore() -> None:
         base._fx = fx
 
 
-_UPSTREAM_EDGE_PROGRAM = _program._generate_edge_program
+_DELEGATE = importlib.import_module("torch._higher_order_ops.executorch_call_delegate")
+_UPSTREAM_CALL_DELEGATE = _DELEGATE.call_delegate_cpu
+
+
+def _replacing(module, name: str, ours) -> dict:
+    """A Patch's install, restore and installed for one function of `module` replaced by ours
+    (upstream's is the one there when this module is imported, before any install)."""
+    upstream = getattr(module, name)
+    return dict(install=lambda: setattr(module, name, ours),
+                restore=lambda: setattr(module, name, upstream),
+                installed=lambda: getattr(module, name) is ours)
+
+
 _CHAINED = "executorch.exir.passes."
 
 PATCHES = (
-    Patch(name="exir.torchao_fake_runs", summary="retraces answer torchao's quantize ops from "
-          "the first fake run of the same shapes", written_for={"executorch": "1.5."}, pins={
+    Patch(name="exir.composite_fake_runs", summary="retraces answer composite ops (torchao's "
+          "quantize ops, linear) from the first fake run of the same shapes",
+          written_for={"executorch": "1.5."}, pins={
               "executorch.exir.pass_base:_ExportPassBase._fx": "d21aacbb5c107fba",
               "torch._export.pass_base:_ExportPassBaseDeprecatedDoNotUse._fx":
                   "fc5bee485d9e884b"},
@@ -263,7 +452,26 @@ PATCHES = (
                   "2c3670ac0cadb81e",
               "executorch.exir.pass_base:_ExportPassBase.call_operator": "dcedf9677c29bb60",
               "torch.fx.passes.infra.pass_manager:pass_result_wrapper": "ea1602ce8249ace3"},
-          install=lambda: setattr(_program, "_generate_edge_program", _generate_edge_program),
-          restore=lambda: setattr(_program, "_generate_edge_program", _UPSTREAM_EDGE_PROGRAM),
-          installed=lambda: _program._generate_edge_program is _generate_edge_program),
+          **_replacing(_program, "_generate_edge_program", _generate_edge_program)),
+    Patch(name="exir.one_decomposition_trace", summary="a program whose partitioner keeps its ops "
+          "without a check function is functionalized and decomposed in one trace instead of "
+          "two", written_for={"executorch": "1.5."}, pins={
+              "executorch.exir.program._program:_gen_edge_manager_for_partitioners":
+                  "14a2b38bd338a215",
+              "executorch.exir.program._program:_can_skip_using_EDGE_DO_NOT_DECOMP":
+                  "1a585e8da9c472e0",
+              "torch.export.exported_program:ExportedProgram.run_decompositions":
+                  "c74cbc17d3874021"},
+          **_replacing(_program, "_gen_edge_manager_for_partitioners",
+                       _gen_edge_manager_for_partitioners)),
+    Patch(name="exir.delegate_fake_outputs", summary="a retrace past the delegates makes "
+          "their outputs from the delegate programs' metadata instead of running each program "
+          "on fake tensors", written_for={"executorch": "1.5."}, pins={
+              "torch._higher_order_ops.executorch_call_delegate:call_delegate_cpu":
+                  "4e7ab5016a0073bc",
+              "torch._higher_order_ops.executorch_call_delegate:call_delegate_fake_tensor_mode":
+                  "d692c8ae03197911",
+              "torch._higher_order_ops.executorch_call_delegate:trace_call_delegate":
+                  "7955488b30b5f674"},
+          **_replacing(_DELEGATE, "call_delegate_cpu", _delegate_outputs)),
 )
