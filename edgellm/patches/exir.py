@@ -28,10 +28,11 @@ go through the passes after it only. Same nodes, names and metadata: the .pte is
 
 `exir.one_decomposition_trace`: `to_edge_transform_and_lower` functionalizes each program
 (`run_decompositions({})`, a whole AOT trace), asks the partitioner which ops to keep, and
-decomposes the rest (a second trace). When the partitioner keeps its ops without a check
-function (XNNPACK's, answered up front by `xnnpack.one_decomposition`), one trace does both with
-the same table; the partitioner is asked again on the result, and if a node fails its check
-there, upstream's path runs instead (the trace spent). SmolLM2 8da4w: 58 s of 320 s.
+decomposes the rest (a second trace). A configuration-based partitioner's (XNNPACK's) kept ops
+come from its configs, not from the graph: one trace with the same table does both, and the
+partitioner is asked again on the result; if it answers with a check function there (a node
+fails it), upstream's path runs instead (the trace spent). Partitioners that list the ops of the
+graph they are shown (Core ML's) or always answer with a check (Vulkan's) go upstream's way.
 
 `exir.delegate_fake_outputs`: a retrace of a program that holds delegates (two of
 `to_executorch`'s passes) makes each delegate's outputs by running the delegate's whole
@@ -453,9 +454,9 @@ PATCHES = (
               "executorch.exir.pass_base:_ExportPassBase.call_operator": "dcedf9677c29bb60",
               "torch.fx.passes.infra.pass_manager:pass_result_wrapper": "ea1602ce8249ace3"},
           **_replacing(_program, "_generate_edge_program", _generate_edge_program)),
-    Patch(name="exir.one_decomposition_trace", summary="a program whose partitioner keeps its ops "
-          "without a check function is functionalized and decomposed in one trace instead of "
-          "two", written_for={"executorch": "1.5."}, pins={
+    Patch(name="exir.one_decomposition_trace", summary="a program for XNNPACK's partitioner (whose "
+          "kept ops come from its configs) is functionalized and decomposed in one trace instead "
+          "of two", written_for={"executorch": "1.5."}, pins={
               "executorch.exir.program._program:_gen_edge_manager_for_partitioners":
                   "14a2b38bd338a215",
               "executorch.exir.program._program:_can_skip_using_EDGE_DO_NOT_DECOMP":
