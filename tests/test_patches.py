@@ -481,7 +481,8 @@ def test_one_decomposition_trace_gives_upstreams_program_from_one_trace(exir_pat
                                                                         monkeypatch):
     """Functionalized and decomposed in one trace: the bytes of upstream's two; a partitioner
     whose check fails on the decomposed program sends the program down upstream's path (the
-    trace spent, the same bytes); restore() undoes it."""
+    trace spent, the same bytes); restore() undoes it. Partitioners that list the graph's ops
+    (Core ML's) or whose check every traced node passes are not tried: no trace spent."""
     import torch.export.exported_program as exported
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
     from executorch.exir import to_edge_transform_and_lower
@@ -546,7 +547,7 @@ def test_delegate_outputs_come_from_the_delegates_metadata(exir_patches, monkeyp
     edge, theirs = lowered()
     patch.install()
     _, ours = lowered()
-    assert ours == theirs and len(runs) == (2 if doubled else 0)  # SpecProp's and dim order's
+    assert ours == theirs and len(runs) == (2 if doubled else 0)  # to_executorch's two
     gm = edge.exported_program().graph_module
     (call,) = [n for n in gm.graph.nodes if "call_delegate" in str(n.target)]
     module, *args = [getattr(gm, a.target) if a.op == "get_attr" else a.meta["val"]
