@@ -57,6 +57,16 @@ class Patch:
                 if not installed_version(dist).startswith(prefix)]
 
 
+def replacing(owner, name: str, ours) -> dict:
+    """A Patch's install, restore and installed for one attribute of `owner` (a module or class)
+    replaced by `ours`: upstream's is the one there when the patch module is imported, before
+    any install."""
+    upstream = vars(owner)[name]  # a class's own entry: a staticmethod stays one
+    return dict(install=lambda: setattr(owner, name, ours),
+                restore=lambda: setattr(owner, name, upstream),
+                installed=lambda: vars(owner).get(name) is ours)
+
+
 def source_digest(obj) -> str:
     """The first 16 hex digits of the sha256 of an object's source."""
     return hashlib.sha256(inspect.getsource(obj).encode()).hexdigest()[:16]

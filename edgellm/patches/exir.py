@@ -58,7 +58,7 @@ from torch._export.pass_base import _ExportPassBaseDeprecatedDoNotUse
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_leaves, tree_unflatten
 
-from . import Patch
+from . import Patch, replacing
 
 # ExecuTorch's ExportPass and torch.export's older one (ReplaceViewOpsWithViewCopyOpsPass)
 # build each node the same way: `_fx` runs the op through `self.interpreter`, then adds the node
@@ -414,15 +414,6 @@ _DELEGATE = importlib.import_module("torch._higher_order_ops.executorch_call_del
 _UPSTREAM_CALL_DELEGATE = _DELEGATE.call_delegate_cpu
 
 
-def _replacing(module, name: str, ours) -> dict:
-    """A Patch's install, restore and installed for one function of `module` replaced by ours
-    (upstream's is the one there when this module is imported, before any install)."""
-    upstream = getattr(module, name)
-    return dict(install=lambda: setattr(module, name, ours),
-                restore=lambda: setattr(module, name, upstream),
-                installed=lambda: getattr(module, name) is ours)
-
-
 _CHAINED = "executorch.exir.passes."
 
 PATCHES = (
@@ -453,7 +444,7 @@ PATCHES = (
                   "2c3670ac0cadb81e",
               "executorch.exir.pass_base:_ExportPassBase.call_operator": "dcedf9677c29bb60",
               "torch.fx.passes.infra.pass_manager:pass_result_wrapper": "ea1602ce8249ace3"},
-          **_replacing(_program, "_generate_edge_program", _generate_edge_program)),
+          **replacing(_program, "_generate_edge_program", _generate_edge_program)),
     Patch(name="exir.one_decomposition_trace", summary="a program for XNNPACK's partitioner (whose "
           "kept ops come from its configs) is functionalized and decomposed in one trace instead "
           "of two", written_for={"executorch": "1.5."}, pins={
@@ -463,8 +454,8 @@ PATCHES = (
                   "1a585e8da9c472e0",
               "torch.export.exported_program:ExportedProgram.run_decompositions":
                   "c74cbc17d3874021"},
-          **_replacing(_program, "_gen_edge_manager_for_partitioners",
-                       _gen_edge_manager_for_partitioners)),
+          **replacing(_program, "_gen_edge_manager_for_partitioners",
+                      _gen_edge_manager_for_partitioners)),
     Patch(name="exir.delegate_fake_outputs", summary="a retrace past the delegates makes "
           "their outputs from the delegate programs' metadata instead of running each program "
           "on fake tensors", written_for={"executorch": "1.5."}, pins={
@@ -474,5 +465,5 @@ PATCHES = (
                   "d692c8ae03197911",
               "torch._higher_order_ops.executorch_call_delegate:trace_call_delegate":
                   "7955488b30b5f674"},
-          **_replacing(_DELEGATE, "call_delegate_cpu", _delegate_outputs)),
+          **replacing(_DELEGATE, "call_delegate_cpu", _delegate_outputs)),
 )

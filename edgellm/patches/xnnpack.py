@@ -49,7 +49,7 @@ from executorch.exir.pass_base import ExportPass
 from executorch.exir.program._program import _remove_invalid_ops_for_not_decompose, _transform
 from torch.fx.passes.infra.pass_base import PassResult
 
-from . import Patch
+from . import Patch, replacing
 
 _UPSTREAM_PREPROCESS = XnnpackBackend.__dict__["preprocess"]  # a staticmethod
 _UPSTREAM_TRANSFORM = XNNPACKPassManager.__dict__["transform"]
@@ -267,9 +267,7 @@ PATCHES = (
                "executorch.backends.xnnpack._passes:XNNPACKPassManager.transform":
                    "18e3bd06d0a97585",
                "executorch.exir.pass_base:_ExportPassBase.call": "689e39bb23b9834c"},
-           lambda: setattr(XNNPACKPassManager, "transform", _transform_skipping_retraces),
-           lambda: setattr(XNNPACKPassManager, "transform", _UPSTREAM_TRANSFORM),
-           lambda: XNNPACKPassManager.transform is _transform_skipping_retraces),
+           **replacing(XNNPACKPassManager, "transform", _transform_skipping_retraces)),
     _patch("one_decomposition", "the XNNPACK partitioner answers without a check function when "
            "every node passes it: one decomposition of the program instead of three", {
                "executorch.exir.backend.canonical_partitioners.config_partitioner:"
@@ -289,7 +287,5 @@ PATCHES = (
                "_get_bilinear_2d_graphs": "77141bc03a50d7d1",
                "torch.fx.passes.utils.matcher_utils:SubgraphMatcher._nodes_are_equal":
                    "b3cf5de7a34912b7"},
-           lambda: setattr(ConvertToUpsampleBilinear2d, "call", _upsample_where_one_can_match),
-           lambda: setattr(ConvertToUpsampleBilinear2d, "call", _UPSTREAM_UPSAMPLE),
-           lambda: ConvertToUpsampleBilinear2d.__dict__["call"] is _upsample_where_one_can_match),
+           **replacing(ConvertToUpsampleBilinear2d, "call", _upsample_where_one_can_match)),
 )
