@@ -15,6 +15,7 @@ import edgellm
 from conftest import SIZES
 from edgellm import patches
 from edgellm.errors import InputError
+from edgellm.lower import LOWERING_PATCHES
 
 
 def by_name(module: str) -> dict:
@@ -136,7 +137,8 @@ def test_patched_lowering_gives_the_upstream_bytes(small_lfm2, tmp_path, monkeyp
                             **SIZES, **options)
     assert report["verify"]["passed"] and set(report["patches"].values()) == {"on"}
     # the lowering's, and torchao's where a recipe quantizes linears
-    assert len(report["patches"]) == 8 + ("quantize" in options)
+    assert len(report["patches"]) == (len(LOWERING_PATCHES) + len(patches.patches_of(backend))
+                                      + ("quantize" in options))
     if options.get("group_size") == 128:
         q = report["quantization"]
         assert q["linears_quantized"] == 2 and len(q["linears_left_float"]) == 13
@@ -245,6 +247,52 @@ def test_a_pass_that_rewrites_still_retraces_and_one_that_does_not_is_handed_bac
     xnnpack_patches["skip_retraces"].restore()
     ep, seen = run(Finds, Finds, Finds)
     assert seen == ["Finds"] * 3  # ExecuTorch's own manager retraces every time
+
+
+def test_xnnpacks_passes_check_the_program_before_the_first_and_after_the_last(
+        xnnpack_patches, monkeypatch):
+    """Upstream checks the program (recompile, lint, call_method, verifier) before and after
+    each of XNNPACK's passes, two checks per pass of which every inner pair sees the same graph;
+    with the patch, one before the first and one after the last. A pass that leaves the graph
+    broken (a call_method node) still fails the export, with upstream's error."""
+    from executorch.backends.xnnpack._passes import XNNPACKPassManager
+    from executorch.exir.error import ExportError
+    from executorch.exir.pass_base import ExportPass
+    from executorch.exir.pass_manager import ExportedProgramPassManager
+    from torch.fx.passes.infra.pass_base import PassResult
+
+    checks, upstream = [], ExportedProgramPassManager.check
+    monkeypatch.setattr(ExportedProgramPassManager, "check",
+                        lambda self, ep: checks.append(1) or upstream(self, ep))
+
+    class Keeps(ExportPass):
+        pass
+
+    class Breaks(ExportPass):  # x -> x.relu() as a method call, which the check refuses
+        def call(self, graph_module):
+            out = graph_module.graph.output_node()
+            with graph_module.graph.inserting_before(out):
+                relu = graph_module.graph.call_method("relu", (out.args[0][0],))
+            out.args = ((relu,),)
+            graph_module.recompile()
+            return PassResult(graph_module, True)
+
+    def run(*passes):
+        ep = torch.export.export(torch.nn.Linear(4, 4), (torch.randn(2, 4),))
+        checks.clear()
+        XNNPACKPassManager(ep, passes=list(passes)).transform()
+        return len(checks)
+
+    xnnpack_patches["skip_retraces"].install()
+    assert run(Keeps, Keeps, Keeps) == 6
+    with pytest.raises(ExportError, match="call_method `relu` is not supported"):
+        run(Keeps, Breaks, Keeps)
+    xnnpack_patches["checks_at_ends"].install()
+    assert run(Keeps, Keeps, Keeps) == 2
+    with pytest.raises(ExportError, match="call_method `relu` is not supported"):
+        run(Keeps, Breaks, Keeps)
+    xnnpack_patches["checks_at_ends"].restore()
+    assert run(Keeps, Keeps, Keeps) == 6
 
 
 def test_the_partitioner_answers_without_a_check_only_when_every_node_passes(xnnpack_patches):
@@ -377,6 +425,56 @@ def test_a_retrace_runs_each_composite_op_once_per_shape(composite_patch, monkey
     assert n_first == len(ops) // 2 and n_again == 0
     composite_patch.restore()
     assert not composite_patch.installed() and retrace()[1] == len(ops)
+
+
+def test_the_decomposition_runs_each_kept_composite_op_once_per_shape(exir_patches,
+                                                                     monkeypatch):
+    """torch.export's decomposition keeps the ops a partitioner asks for (torchao's quantize
+    ops, linear) and fake-runs each one's Python body for its output, twice per node (AOT's
+    metadata pass, then its trace): with the patch, two 8da4w linears of one shape run each
+    torchao op once per shape; the program is the one upstream gives (same nodes, same
+    metadata); restore() undoes it."""
+    from torch.export import exported_program as torch_ep
+    from torchao.quantization import quantize_
+
+    from edgellm.quantize.recipes import torchao_config
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    model.requires_grad_(False)
+    quantize_(model, torchao_config(4, 32, dynamic=True))
+    ep = torch.export.export(model, (torch.randn(3, 64),),
+                             dynamic_shapes=({0: torch.export.Dim("tokens", max=16)},))
+    kept = {n.target for n in ep.graph.nodes if exir.memoizable(n.target)}
+    assert torch.ops.aten.linear.default in kept and len(kept) == 4
+    table = torch.export.default_decompositions()
+    for op in kept:
+        table.pop(op, None)
+    quantize_nodes = sum(n.target in kept and n.target.namespace == "torchao"
+                         for n in ep.graph.nodes)
+    runs, upstream = [], torch_ep._get_decomp_for_cia
+
+    def counting(op):  # the body each kept op's fake rule runs
+        body = upstream(op)
+        return lambda *a, **k: runs.append(op.namespace) or body(*a, **k)
+
+    monkeypatch.setattr(torch_ep, "_get_decomp_for_cia", counting)
+
+    def decomposed():
+        runs.clear()
+        gm = ep.run_decompositions(table).graph_module
+        return ([(n.name, str(n.target), str(n.meta.get("val"))) for n in gm.graph.nodes],
+                runs.count("torchao"))
+
+    patch = exir_patches["kept_op_fake_runs"]
+    patch.restore()
+    theirs, their_runs = decomposed()
+    patch.install()
+    ours, our_runs = decomposed()
+    assert ours == theirs and any("s" in v for _, t, v in ours if "linear" in t)
+    # choose_qparams, quantize, dequantize of the activation and of the weight: 4 shapes
+    assert quantize_nodes == 8 and their_runs == 2 * quantize_nodes and our_runs == 4
+    patch.restore()
+    assert not patch.installed() and decomposed()[1] == 2 * quantize_nodes
 
 
 # --- exir.chained_edge_passes -----------------------------------------------------------------
@@ -522,6 +620,71 @@ def test_one_decomposition_trace_gives_upstreams_program_from_one_trace(exir_pat
     traces.clear()
     assert exir._decomposed_once(ep, [Listing()]) is None and not traces
     assert exir._decomposed_once(ep, [accepting]) is None and not traces
+
+
+def graph_state(gm) -> tuple:
+    """What a topological reorder can change: the nodes' order and names, each node's users and
+    inputs in their order, the names the graph would give new nodes."""
+    g = gm.graph
+    return ([(n.name, str(n.target)) for n in g.nodes], [list(map(str, n.users)) for n in g.nodes],
+            [list(map(str, n.all_input_nodes)) for n in g.nodes],
+            sorted(g._graph_namespace._used_names), sorted(g._graph_namespace._base_count.items()))
+
+
+def unsorted_graph(cycle: bool = False):
+    """A graph as partitioning leaves it: a node used before it is defined (`neg` moved above
+    the `relu` it reads), users and inputs registered in another order than the sorted one
+    (`add` reads `relu` before `neg` exists, then `neg` is put first among its arguments), an
+    erased node's name, a prioritized `_assert_scalar`."""
+    import operator
+
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    a = g.call_function(torch.ops.aten.relu.default, (x,))
+    c = g.call_function(torch.ops.aten.add.Tensor, (a,))
+    b = g.call_function(torch.ops.aten.neg.default, (a,))
+    c.insert_arg(0, b)
+    size = g.call_function(torch.ops.aten.sym_size.int, (x, 0))
+    check = g.call_function(operator.ge, (size, 1))
+    g.call_function(torch.ops.aten._assert_scalar.default, (check, "size"))
+    d = g.call_function(torch.ops.aten.mul.Tensor, (c, a))
+    g.erase_node(g.call_function(torch.ops.aten.sin.default, (x,)))
+    g.output((d,))
+    a.prepend(b)
+    if cycle:
+        a.args = (d,)
+    return torch.fx.GraphModule(torch.nn.Module(), g)
+
+
+def test_partitioning_reorders_the_graph_in_place_as_upstreams_copy_would(exir_patches,
+                                                                         monkeypatch):
+    """legalize_graph, run once per partition over the whole program, copies every node into a
+    new graph and recompiles: the patch moves the graph's own nodes into the same order with the
+    same users, inputs and names (a node added after gets the name it would), and recompiles
+    nothing; a cycle still fails with upstream's error."""
+    from executorch.exir import lowered_backend_module
+
+    assert lowered_backend_module.legalize_graph is exir._UPSTREAM_LEGALIZE
+    theirs, ours = unsorted_graph(), unsorted_graph()
+    assert graph_state(theirs) == graph_state(ours)
+    exir._UPSTREAM_LEGALIZE(theirs)
+    recompiles = []
+    monkeypatch.setattr(torch.fx.GraphModule, "recompile", lambda self: recompiles.append(1))
+    exir_patches["legalize_in_place"].install()
+    nodes = set(ours.graph.nodes)
+    assert lowered_backend_module.legalize_graph(ours) is ours and not recompiles
+    assert set(ours.graph.nodes) == nodes  # the same node objects, moved
+    assert graph_state(ours) == graph_state(theirs)
+    names = [n.name for n in ours.graph.nodes]
+    assert names.index("relu_default") < names.index("neg_default")
+    assert names.index("_assert_scalar_default") < names.index("add_tensor")  # prioritized
+    for gm in (theirs, ours):  # a node made after: the same name in both
+        with gm.graph.inserting_before(gm.graph.output_node()):
+            gm.graph.call_function(torch.ops.aten.sin.default, (next(iter(gm.graph.nodes)),))
+    assert graph_state(ours) == graph_state(theirs)
+    for legalize in (exir._UPSTREAM_LEGALIZE, lowered_backend_module.legalize_graph):
+        with pytest.raises(RuntimeError, match="Input graph has cycles"):
+            legalize(unsorted_graph(cycle=True))
 
 
 @pytest.mark.parametrize("doubled", [False, True])

@@ -15,6 +15,12 @@ new empty fake tensors of the same metadata. Only functional composite ops, only
 tensor argument is a fake tensor of one mode; anything else runs as before. It wraps `_fx` of
 ExecuTorch's ExportPass and of torch.export's older pass base.
 
+`exir.kept_op_fake_runs`: the same fake runs in torch.export's decomposition. It keeps an op the
+partitioner asked for by registering, for the trace, a fake-tensor rule that runs the op's
+Python body (`_override_composite_implicit_decomp`), and AOT traces twice (a metadata pass, then
+the graph): each torchao quantize op's body ran twice per node. The rule it registers now
+remembers, in the same memo per fake mode.
+
 `exir.chained_edge_passes`: ExecuTorch's aten-to-edge conversion (`_generate_edge_program`) runs
 its passes one after another, and seven of them are ExportPasses that rewrite node by node in
 `call_operator` alone (NormalizeTranspose, ReplaceBrokenOps, ScalarToTensor, SymToTensor, then,
@@ -34,6 +40,13 @@ partitioner is asked again on the result; if it answers with a check function th
 fails it), upstream's path runs instead (the trace spent). Partitioners that list the ops of the
 graph they are shown (Core ML's) or always answer with a check (Vulkan's) go upstream's way.
 
+`exir.legalize_in_place`: `create_submodule_from_nodes`, once per partition, re-sorts the whole
+program topologically (`legalize_graph`): every node copied into a new graph, then the graph
+module recompiled, a cost of partitions x nodes. The same Kahn order is made by moving the
+program's own nodes, with what a copy would change made alike (users and inputs in the new
+order, a fresh namespace), and no recompile: ExecuTorch builds a new graph module from the
+graph before anything runs its code.
+
 `exir.delegate_fake_outputs`: a retrace of a program that holds delegates (two of
 `to_executorch`'s passes) makes each delegate's outputs by running the delegate's whole
 original program on fake tensors (`call_delegate_cpu`): a fake run of the entire model, twice.
@@ -44,9 +57,11 @@ an expression, strides that are not contiguous, mutated buffers), upstream's run
 
 from __future__ import annotations
 
+import collections
 import copy
 import functools
 import importlib
+import operator
 import weakref
 from collections import defaultdict
 
@@ -56,6 +71,7 @@ from executorch.exir.pass_base import ExportPass, _ExportPassBase
 from executorch.exir.program import _program
 from torch._export.pass_base import _ExportPassBaseDeprecatedDoNotUse
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.utils._pytree import tree_leaves, tree_unflatten
 
 from . import Patch, replacing
@@ -100,6 +116,25 @@ def _like(spec):
     return torch.empty_strided(shape, stride, dtype=dtype, device=device, requires_grad=grad)
 
 
+def _remembered(seen: dict, key, run):
+    """`run()`'s outputs, or new fake tensors of the metadata `run()` gave for `key` before
+    (made in the fake mode that is current: the caller's). Remembered only when every output
+    is a fake tensor whose sizes are no new data-dependent symbols and whose storage starts at
+    its first element."""
+    found = seen.get(key)
+    if found is not None:
+        several, specs = found
+        return tuple(map(_like, specs)) if several else _like(specs[0])
+    result = run()
+    several = isinstance(result, tuple)
+    results = result if several else (result,)
+    if all(isinstance(r, FakeTensor) and r.storage_offset() == 0
+           and not free_unbacked_symbols(r) for r in results):
+        seen[key] = (several, tuple((r.shape, r.stride(), r.dtype, r.device, r.requires_grad)
+                                    for r in results))
+    return result
+
+
 class _Remembering:
     """Stands in for ExportPass's interpreter for one call_function."""
 
@@ -107,18 +142,8 @@ class _Remembering:
         self.interpreter, self.seen = interpreter, seen
 
     def call_function(self, target, args, kwargs):
-        key = (target, metadata(args), metadata(kwargs))
-        seen = self.seen.get(key)
-        if seen is not None:  # new fake tensors, in the mode the pass is running under
-            several, specs = seen
-            return tuple(map(_like, specs)) if several else _like(specs[0])
-        result = self.interpreter.call_function(target, args, kwargs)
-        several = isinstance(result, tuple)
-        results = result if several else (result,)
-        if all(isinstance(r, FakeTensor) for r in results):
-            self.seen[key] = (several, tuple((r.shape, r.stride(), r.dtype, r.device,
-                                              r.requires_grad) for r in results))
-        return result
+        return _remembered(self.seen, (target, metadata(args), metadata(kwargs)),
+                           lambda: self.interpreter.call_function(target, args, kwargs))
 
 
 def _remembering(upstream):
@@ -140,6 +165,33 @@ def _remembering(upstream):
 
 
 _MEMOIZED_FX = {base: _remembering(fx) for base, fx in _UPSTREAM_FX.items()}
+
+# torch.export's decomposition keeps a composite op a partitioner asked for (torchao's quantize
+# ops, linear) by registering, for the trace, a fake-tensor rule that runs the op's Python body
+# (`_override_composite_implicit_decomp`); it registers through this module's name
+_EXPORTED_PROGRAM = importlib.import_module("torch.export.exported_program")
+_UPSTREAM_REGISTER = _EXPORTED_PROGRAM.register_op_impl
+
+
+def _register_remembering(op):
+    """`register_op_impl(op)` for torch.export's kept composite ops: the rule registered
+    answers a repeat of the same metadata from its first run in the same fake mode."""
+    register = _UPSTREAM_REGISTER(op)
+    if not (isinstance(op, torch._ops.OpOverload) and memoizable(op)):
+        return register
+
+    def registering(rule):
+        def remembering(fake_mode, func, *args, **kwargs):
+            tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            if not tensors or not all(isinstance(t, FakeTensor) and t.fake_mode is fake_mode
+                                      and t.constant is None for t in tensors):
+                return rule(fake_mode, func, *args, **kwargs)
+            with fake_mode:  # the rule runs inside the mode's dispatch, the mode not current
+                return _remembered(_SEEN.setdefault(fake_mode, {}),
+                                   (func, metadata(args), metadata(kwargs)),
+                                   lambda: rule(fake_mode, func, *args, **kwargs))
+        return register(remembering)
+    return registering
 
 
 class _Chained(ExportPass):
@@ -414,6 +466,57 @@ _DELEGATE = importlib.import_module("torch._higher_order_ops.executorch_call_del
 _UPSTREAM_CALL_DELEGATE = _DELEGATE.call_delegate_cpu
 
 
+_LOWERED = importlib.import_module("executorch.exir.lowered_backend_module")
+_UPSTREAM_LEGALIZE = _LOWERED.legalize_graph
+# legalize_graph's own list: nodes it moves to the front of its queue
+_PRIORITIZED = (operator.add, operator.mul, operator.sub, operator.floordiv, operator.truediv,
+                operator.mod, operator.le, operator.lt, operator.ge, operator.gt, operator.eq,
+                operator.ne, torch.ops.aten.sym_constrain_range.default,
+                torch.ops.aten.sym_constrain_range_for_size.default,
+                torch.ops.aten._assert_async.msg, torch.ops.aten.scalar_tensor.default,
+                torch.ops.aten._assert_scalar.default)
+
+
+def _legalized_in_place(gm):
+    """legalize_graph as `create_submodule_from_nodes` calls it once per partition, over the
+    whole program: the same topological order (its Kahn sort, queue and priorities), but the
+    graph's own nodes moved into it instead of copied into a new graph, and no recompile
+    (nothing runs the graph module's code before ExecuTorch rebuilds it into the lowered
+    program). What a copy would also change is made the same: each node's users in the new
+    order, its inputs in argument order, and the graph's names as a new graph would hold them
+    (so the names later nodes get are the same)."""
+    graph = gm.graph
+    indeg = dict.fromkeys(graph.nodes, 0)
+    for node in graph.nodes:
+        for user in node.users:
+            indeg[user] += 1
+    queue = collections.deque(node for node in graph.nodes if indeg[node] == 0)
+    order = []
+    while queue:
+        cur = queue.popleft()
+        order.append(cur)
+        for user in cur.users:
+            indeg[user] -= 1
+            if indeg[user] == 0:
+                if user.op == "call_function" and user.target in _PRIORITIZED:
+                    queue.appendleft(user)
+                else:
+                    queue.append(user)
+    namespace = torch.fx.graph._Namespace()
+    for node in order:
+        if namespace.create_name(node.name, None) != node.name:
+            break
+        namespace.associate_name_with_obj(node.name, node)
+    else:
+        if len(order) == len(graph.nodes):  # else a cycle: upstream's error
+            for node in order:
+                graph._root.prepend(node)  # to the end: the nodes end in `order`
+                node.args = node.args  # re-registers it last among its inputs' users
+            graph._graph_namespace = namespace
+            return gm
+    return _UPSTREAM_LEGALIZE(gm)
+
+
 _CHAINED = "executorch.exir.passes."
 
 PATCHES = (
@@ -425,6 +528,13 @@ PATCHES = (
                   "fc5bee485d9e884b"},
           install=_install, restore=_restore,
           installed=lambda: all(base._fx is fx for base, fx in _MEMOIZED_FX.items())),
+    Patch(name="exir.kept_op_fake_runs", summary="the decomposition trace answers the "
+          "composite ops it keeps (torchao's quantize ops) from the first fake run of the same "
+          "shapes", written_for={"executorch": "1.5."}, pins={
+              "torch.export.exported_program:_override_composite_implicit_decomp":
+                  "4422dc79d0792af7",
+              "torch._subclasses.fake_impls:register_op_impl": "405e93300718a185"},
+          **replacing(_EXPORTED_PROGRAM, "register_op_impl", _register_remembering)),
     Patch(name="exir.chained_edge_passes", summary="the aten-to-edge passes that rewrite node by "
           "node run as two retraces instead of seven", written_for={"executorch": "1.5."}, pins={
               "executorch.exir.program._program:_generate_edge_program": "231b0ef63ff582cb",
@@ -456,6 +566,17 @@ PATCHES = (
                   "c74cbc17d3874021"},
           **replacing(_program, "_gen_edge_manager_for_partitioners",
                       _gen_edge_manager_for_partitioners)),
+    Patch(name="exir.legalize_in_place", summary="partitioning reorders the program's own "
+          "nodes after each partition instead of copying the whole graph and recompiling it",
+          written_for={"executorch": "1.5."}, pins={
+              "torch.fx.passes.tools_common:legalize_graph": "6dc8094b32ebd463",
+              "executorch.exir.lowered_backend_module:create_submodule_from_nodes":
+                  "3279f5ec23b0b723",
+              "executorch.exir.backend.backend_api:_create_partitions_in_graph_module":
+                  "2c8bd8d290ecfb2d",
+              "torch.fx.graph:Graph.node_copy": "1ea7e7358568c428",
+              "torch.fx.graph:Graph.create_node": "7e8353cfe5d2ae96"},
+          **replacing(_LOWERED, "legalize_graph", _legalized_in_place)),
     Patch(name="exir.delegate_fake_outputs", summary="a retrace past the delegates makes "
           "their outputs from the delegate programs' metadata instead of running each program "
           "on fake tensors", written_for={"executorch": "1.5."}, pins={

@@ -14,6 +14,10 @@ retracing graphs nothing changed, and decomposing the program three times.
   pass rewrote anything (an LLM's partitions have no batch norm, upsample, PReLU or max pool).
   The patch runs them with `_RetraceGuard` between each such pass and ExportPass: an unchanged
   graph is handed back as it is.
+- `xnnpack.checks_at_ends`: each of those passes runs through its own ExecuTorch pass manager,
+  which checks the program (recompile, lint, verifier) before and after it: two checks per pass
+  and partition, each inner pair on the same graph. Inside `skip_retraces`' transform, the
+  program is checked before the first pass and after the last.
 - `xnnpack.unmatchable_patterns`: `ConvertToUpsampleBilinear2d` builds four upsample patterns
   (four exports and edge lowerings, ~4 s once a process) and matches them in every partition;
   each holds an `upsample_bilinear2d` node, so a partition without one (an LLM's) skips both.
@@ -46,7 +50,9 @@ from executorch.exir.backend.canonical_partitioners.config_partitioner import (
     ConfigerationBasedPartitioner)
 from executorch.exir.dialects._ops import ops as exir_ops
 from executorch.exir.pass_base import ExportPass
-from executorch.exir.program._program import _remove_invalid_ops_for_not_decompose, _transform
+from executorch.exir.pass_manager import ExportedProgramPassManager
+from executorch.exir.program._program import (
+    _remove_invalid_ops_for_not_decompose, _transform, _transform_with_pass_manager)
 from torch.fx.passes.infra.pass_base import PassResult
 
 from . import Patch, replacing
@@ -192,14 +198,44 @@ def _transform_skipping_retraces(self):
         return _UPSTREAM_TRANSFORM(self)  # which raises its own error
     ep = self.exported_program
     received = ep.graph_module
-    for pass_ in self.passes:
+    for i, pass_ in enumerate(self.passes):
         guard = all(getattr(pass_, h) is getattr(ExportPass, h) for h in _NODE_HOOKS)
         cls = _guarded(pass_) if guard else pass_
         transform_pass = cls(ep) if issubclass(pass_, XNNPACKPass) else cls()
         if guard and ep.graph_module is not received:
             transform_pass.unchanged_if = structure(ep.graph_module.graph)
-        ep = _transform(ep, transform_pass)
+        if _CHECKS_AT_ENDS:
+            manager = _EndsChecked([transform_pass], before=i == 0,
+                                   after=i == len(self.passes) - 1)
+            ep = _transform_with_pass_manager(ep, manager)
+        else:
+            ep = _transform(ep, transform_pass)
     return ep
+
+
+_CHECKS_AT_ENDS = False  # xnnpack.checks_at_ends (read by _transform_skipping_retraces)
+
+
+class _EndsChecked(ExportedProgramPassManager):
+    """ExecuTorch's pass manager for one of XNNPACK's passes, checking the program (recompile,
+    lint, no call_method, the verifier) before it only if it is the first pass and after it
+    only if it is the last: upstream checks before and after every pass, so each check between
+    two passes ran twice on the same graph, and a graph a check passes at the end of the list
+    passed every check on the way unless a later pass undid what an earlier one broke. A pass
+    that rewrites recompiles its graph module either way (the manager does)."""
+
+    def __init__(self, passes, before: bool, after: bool):
+        super().__init__(passes)
+        self.ends = [before, after]  # __call__ checks twice: before the pass, then after
+
+    def check(self, exported_program):
+        if self.ends.pop(0):
+            super().check(exported_program)
+
+
+def _check_at_ends(on: bool) -> None:
+    global _CHECKS_AT_ENDS
+    _CHECKS_AT_ENDS = on
 
 
 def _answer_up_front(self, ep):
@@ -268,6 +304,15 @@ PATCHES = (
                    "18e3bd06d0a97585",
                "executorch.exir.pass_base:_ExportPassBase.call": "689e39bb23b9834c"},
            **replacing(XNNPACKPassManager, "transform", _transform_skipping_retraces)),
+    _patch("checks_at_ends", "XNNPACK's passes check each partition's program before the "
+           "first and after the last instead of before and after every pass", {
+               "executorch.exir.pass_manager:ExportedProgramPassManager.__call__":
+                   "ef226dd21756330d",
+               "executorch.exir.pass_manager:ExportedProgramPassManager.check":
+                   "a2cab355650bc461",
+               "executorch.exir.program._program:_transform": "9359d02c126f183c"},
+           lambda: _check_at_ends(True), lambda: _check_at_ends(False),
+           lambda: _CHECKS_AT_ENDS),
     _patch("one_decomposition", "the XNNPACK partitioner answers without a check function when "
            "every node passes it: one decomposition of the program instead of three", {
                "executorch.exir.backend.canonical_partitioners.config_partitioner:"
