@@ -295,6 +295,45 @@ def test_xnnpacks_passes_check_the_program_before_the_first_and_after_the_last(
     assert run(Keeps, Keeps, Keeps) == 6
 
 
+def test_the_partitioner_reads_the_signature_once(xnnpack_patches, monkeypatch):
+    """XNNPACK's configs ask the program's signature, for each node and argument, whether it is
+    a parameter, and upstream's signature builds a new dict of every input for each question:
+    with the patch, one dict per partitioning and the same partitions; the program keeps its
+    own signature; should the signature change while partitioning, upstream's runs again."""
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from torch.export.graph_signature import ExportGraphSignature
+
+    built, upstream = [], ExportGraphSignature.inputs_to_parameters
+    monkeypatch.setattr(ExportGraphSignature, "inputs_to_parameters",
+                        property(lambda self: built.append(1) or upstream.fget(self)))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))
+    ep = torch.export.export(model, (torch.randn(2, 8),)).run_decompositions({})
+    signature = ep.graph_signature
+
+    def partitions():
+        built.clear()
+        found = XnnpackPartitioner().generate_partitions(ep)
+        assert ep.graph_signature is signature
+        return sorted(sorted(n.name for n in p.nodes) for p in found), len(built)
+
+    xnnpack_patches["signature_read_once"].restore()
+    theirs, their_builds = partitions()
+    xnnpack_patches["signature_read_once"].install()
+    ours, our_builds = partitions()
+    assert ours == theirs and len(theirs) == 1 and their_builds > 10 and our_builds == 1
+    runs, real = [], xnnpack._UPSTREAM_GENERATE
+
+    def changing(self, program):  # a partitioner that renames an input while it reads
+        runs.append(1)
+        if len(runs) == 1:
+            signature.input_specs[0].arg.name += "_renamed"
+        return real(self, program)
+
+    monkeypatch.setattr(xnnpack, "_UPSTREAM_GENERATE", changing)
+    partitions()
+    assert len(runs) == 2
+
+
 def test_the_partitioner_answers_without_a_check_only_when_every_node_passes(xnnpack_patches):
     """XNNPACK's check accepts an fp32 linear and rejects an fp64 one: with every node accepted
     ExecuTorch gets no check function (one decomposition instead of three), otherwise its own."""

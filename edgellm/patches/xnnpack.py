@@ -18,6 +18,9 @@ retracing graphs nothing changed, and decomposing the program three times.
   which checks the program (recompile, lint, verifier) before and after it: two checks per pass
   and partition, each inner pair on the same graph. Inside `skip_retraces`' transform, the
   program is checked before the first pass and after the last.
+- `xnnpack.signature_read_once`: the partitioner's configs ask, per node and argument, whether
+  it is a parameter, buffer or constant, and each question builds a new dict of every input of
+  the program; while it partitions, the program's signature builds each mapping once.
 - `xnnpack.unmatchable_patterns`: `ConvertToUpsampleBilinear2d` builds four upsample patterns
   (four exports and edge lowerings, ~4 s once a process) and matches them in every partition;
   each holds an `upsample_bilinear2d` node, so a partition without one (an LLM's) skips both.
@@ -53,6 +56,7 @@ from executorch.exir.pass_base import ExportPass
 from executorch.exir.pass_manager import ExportedProgramPassManager
 from executorch.exir.program._program import (
     _remove_invalid_ops_for_not_decompose, _transform, _transform_with_pass_manager)
+from torch.export.graph_signature import ExportGraphSignature
 from torch.fx.passes.infra.pass_base import PassResult
 
 from . import Patch, replacing
@@ -60,6 +64,7 @@ from . import Patch, replacing
 _UPSTREAM_PREPROCESS = XnnpackBackend.__dict__["preprocess"]  # a staticmethod
 _UPSTREAM_TRANSFORM = XNNPACKPassManager.__dict__["transform"]
 _UPSTREAM_UPSAMPLE = ConvertToUpsampleBilinear2d.__dict__["call"]
+_UPSTREAM_GENERATE = ConfigerationBasedPartitioner.__dict__["generate_partitions"]
 _UPSAMPLE = exir_ops.edge.aten.upsample_bilinear2d.vec
 _COPY_HOOK = "copy_exported_program_for_preprocess"
 _COMPARE_CHUNK = 1 << 24  # bytes compared at a time: no temporary the size of a whole weight
@@ -265,6 +270,46 @@ def _upsample_where_one_can_match(self, graph_module):
     return PassResult(graph_module, True)
 
 
+class _ReadOnce(ExportGraphSignature):
+    """A program's graph signature while the partitioner only reads it: each input mapping
+    (`inputs_to_parameters`, ... : upstream builds a new dict over every input per call) built
+    once, from the same spec lists."""
+
+    @functools.cached_property
+    def inputs_to_parameters(self):
+        return ExportGraphSignature.inputs_to_parameters.fget(self)
+
+    @functools.cached_property
+    def inputs_to_buffers(self):
+        return ExportGraphSignature.inputs_to_buffers.fget(self)
+
+    @functools.cached_property
+    def inputs_to_lifted_tensor_constants(self):
+        return ExportGraphSignature.inputs_to_lifted_tensor_constants.fget(self)
+
+
+def _specs(signature) -> tuple:
+    return tuple((s.kind, getattr(s.arg, "name", None), s.target)
+                 for s in signature.input_specs)
+
+
+def _partitions_reading_signature_once(self, ep):
+    """ConfigerationBasedPartitioner.generate_partitions with the program's signature read
+    once: its configs ask, for every node and every argument, whether it is a parameter, buffer
+    or constant (`is_param`, `is_constant_data`), and each asks the signature for a new
+    dict of every input (a program's inputs x its nodes). Should the signature change meanwhile,
+    upstream's runs again on the program as it is."""
+    signature = ep._graph_signature
+    before = _specs(signature)
+    ep._graph_signature = _ReadOnce(input_specs=signature.input_specs,
+                                    output_specs=signature.output_specs)
+    try:
+        partitions = _UPSTREAM_GENERATE(self, ep)
+    finally:
+        ep._graph_signature = signature
+    return partitions if _specs(signature) == before else _UPSTREAM_GENERATE(self, ep)
+
+
 def _install_shared_weights() -> None:
     """Idempotent: the wrapper calls ExecuTorch's preprocess, never the attribute it replaced."""
     setattr(XnnpackBackend, _COPY_HOOK, classmethod(_copy_sharing_weights))
@@ -324,6 +369,15 @@ PATCHES = (
            lambda: setattr(XnnpackPartitioner, "ops_to_not_decompose", _answer_up_front),
            _restore_ops_to_not_decompose,
            lambda: XnnpackPartitioner.__dict__.get("ops_to_not_decompose") is _answer_up_front),
+    _patch("signature_read_once", "the partitioner reads the program's parameters, buffers and "
+           "constants from one mapping each instead of a new one per question", {
+               "executorch.exir.backend.canonical_partitioners.config_partitioner:"
+               "ConfigerationBasedPartitioner.generate_partitions": "193664b914092e8e",
+               "torch.export.graph_signature:ExportGraphSignature": "d63e7b85b182a5e1",
+               "torch.export.exported_program:ExportedProgram.graph_signature.fget":
+                   "c72be401dbe2cec6"},
+           **replacing(ConfigerationBasedPartitioner, "generate_partitions",
+                       _partitions_reading_signature_once)),
     _patch("unmatchable_patterns", "XNNPACK's upsample pass neither builds nor matches its "
            "patterns in a partition without an upsample", {
                "executorch.backends.xnnpack._passes.convert_to_upsample_bilinear2d:"
