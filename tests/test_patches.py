@@ -283,6 +283,7 @@ def test_xnnpacks_passes_check_the_program_before_the_first_and_after_the_last(
         XNNPACKPassManager(ep, passes=list(passes)).transform()
         return len(checks)
 
+    xnnpack_patches["checks_at_ends"].restore()  # an export before this test installed it
     xnnpack_patches["skip_retraces"].install()
     assert run(Keeps, Keeps, Keeps) == 6
     with pytest.raises(ExportError, match="call_method `relu` is not supported"):
@@ -406,6 +407,44 @@ def test_the_upsample_pass_matches_only_where_a_pattern_can(xnnpack_patches, mon
     assert ours == theirs and our_delegates == delegates == 1
     assert their_work[0] >= 1 and their_work[1] >= 4
     assert our_work == (their_work if upsampled else (0, 0))
+
+
+@pytest.mark.parametrize("attends", [False, True])
+def test_the_sdpa_pass_matches_only_where_a_pattern_can(xnnpack_patches, monkeypatch, attends):
+    """Each of the SDPA pass's patterns holds a `_softmax` node; a partition without one (an
+    LLM's, whose attention is custom_sdpa outside XNNPACK) neither builds nor matches them and
+    lowers to upstream's bytes; one with an SDPA is matched as upstream matches it."""
+    from executorch.backends.xnnpack.partition.graphs import sdpa
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.exir import to_edge_transform_and_lower
+
+    class Net(torch.nn.Module):
+        def forward(self, q, k, v, mask):
+            if attends:
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            return torch.relu(q) + k * v
+
+    args = (torch.randn(1, 2, 8, 4), torch.randn(1, 2, 8, 4), torch.randn(1, 2, 8, 4),
+            torch.zeros(8, 8))
+    ep = torch.export.export(Net(), args)
+    built = sdpa.get_graphs()
+    assert all(any(n.target == xnnpack._SOFTMAX for n in g.graph.nodes) for g in built)
+    asked = []
+    monkeypatch.setattr(sdpa, "get_graphs", lambda: asked.append(1) or built)
+
+    def lowered():
+        asked.clear()
+        edge = to_edge_transform_and_lower(ep, partitioner=[XnnpackPartitioner()])
+        return edge.to_executorch().buffer, len(asked)
+
+    patch = xnnpack_patches["unmatchable_sdpa"]
+    patch.restore()
+    theirs, their_builds = lowered()
+    patch.install()
+    ours, our_builds = lowered()
+    assert ours == theirs and their_builds >= 1
+    # upstream asks for the patterns in every partition; the patch where a softmax is
+    assert (1 <= our_builds <= their_builds) if attends else our_builds == 0
 
 
 # --- exir.composite_fake_runs -------------------------------------------------------------------

@@ -18,6 +18,9 @@ retracing graphs nothing changed, and decomposing the program three times.
   which checks the program (recompile, lint, verifier) before and after it: two checks per pass
   and partition, each inner pair on the same graph. Inside `skip_retraces`' transform, the
   program is checked before the first pass and after the last.
+- `xnnpack.unmatchable_sdpa`: the same for `ConvertToSDPAPass`: its two SDPA patterns (built once
+  a process, ~2 s) each hold a `_softmax`; a partition without one skips building and matching,
+  and the two `print_readable`s of the graph its debug log statements make.
 - `xnnpack.signature_read_once`: the partitioner's configs ask, per node and argument, whether
   it is a parameter, buffer or constant, and each question builds a new dict of every input of
   the program; while it partitions, the program's signature builds each mapping once.
@@ -44,6 +47,7 @@ import hashlib
 import numpy as np
 import torch
 from executorch.backends.xnnpack._passes import XNNPACKPass, XNNPACKPassManager
+from executorch.backends.xnnpack._passes.convert_to_sdpa import ConvertToSDPAPass
 from executorch.backends.xnnpack._passes.convert_to_upsample_bilinear2d import (
     ConvertToUpsampleBilinear2d)
 from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
@@ -64,6 +68,8 @@ from . import Patch, replacing
 _UPSTREAM_PREPROCESS = XnnpackBackend.__dict__["preprocess"]  # a staticmethod
 _UPSTREAM_TRANSFORM = XNNPACKPassManager.__dict__["transform"]
 _UPSTREAM_UPSAMPLE = ConvertToUpsampleBilinear2d.__dict__["call"]
+_UPSTREAM_SDPA = ConvertToSDPAPass.__dict__["call"]
+_SOFTMAX = exir_ops.edge.aten._softmax.default
 _UPSTREAM_GENERATE = ConfigerationBasedPartitioner.__dict__["generate_partitions"]
 _UPSAMPLE = exir_ops.edge.aten.upsample_bilinear2d.vec
 _COPY_HOOK = "copy_exported_program_for_preprocess"
@@ -270,6 +276,19 @@ def _upsample_where_one_can_match(self, graph_module):
     return PassResult(graph_module, True)
 
 
+def _sdpa_where_one_can_match(self, graph_module):
+    """ConvertToSDPAPass.call without its patterns when none can match: both hold a `_softmax`
+    node (tested), and a partition without one (an LLM's: its attention is ExecuTorch's
+    custom_sdpa, outside XNNPACK) matches nothing; then neither the patterns (two exports and
+    edge lowerings, once a process) nor the matching, nor the graph printed twice for a debug
+    log, are needed. The graph is recompiled and retraced as upstream ends."""
+    if any(n.op == "call_function" and n.target == _SOFTMAX for n in graph_module.graph.nodes):
+        return _UPSTREAM_SDPA(self, graph_module)
+    graph_module.recompile()
+    graph_module = super(ConvertToSDPAPass, self).call(graph_module).graph_module
+    return PassResult(graph_module, True)
+
+
 class _ReadOnce(ExportGraphSignature):
     """A program's graph signature while the partitioner only reads it: each input mapping
     (`inputs_to_parameters`, ... : upstream builds a new dict over every input per call) built
@@ -387,4 +406,13 @@ PATCHES = (
                "torch.fx.passes.utils.matcher_utils:SubgraphMatcher._nodes_are_equal":
                    "b3cf5de7a34912b7"},
            **replacing(ConvertToUpsampleBilinear2d, "call", _upsample_where_one_can_match)),
+    _patch("unmatchable_sdpa", "XNNPACK's SDPA pass neither builds nor matches its patterns in "
+           "a partition without a softmax", {
+               "executorch.backends.xnnpack._passes.convert_to_sdpa:ConvertToSDPAPass.call":
+                   "4a789124b2f94fae",
+               "executorch.backends.xnnpack.partition.graphs.sdpa:get_graphs":
+                   "665b47517d50bd9e",
+               "torch.fx.passes.utils.matcher_utils:SubgraphMatcher._nodes_are_equal":
+                   "b3cf5de7a34912b7"},
+           **replacing(ConvertToSDPAPass, "call", _sdpa_where_one_can_match)),
 )
