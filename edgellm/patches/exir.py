@@ -119,8 +119,8 @@ def _like(spec):
 def _remembered(seen: dict, key, run):
     """`run()`'s outputs, or new fake tensors of the metadata `run()` gave for `key` before
     (made in the fake mode that is current: the caller's). Remembered only when every output
-    is a fake tensor whose sizes are no new data-dependent symbols and whose storage starts at
-    its first element."""
+    is a fake tensor whose sizes hold no data-dependent (unbacked) symbol and whose storage
+    starts at its first element."""
     found = seen.get(key)
     if found is not None:
         several, specs = found
