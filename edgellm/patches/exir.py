@@ -177,7 +177,7 @@ def _register_remembering(op):
     """`register_op_impl(op)` for torch.export's kept composite ops: the rule registered
     answers a repeat of the same metadata from its first run in the same fake mode."""
     register = _UPSTREAM_REGISTER(op)
-    if not (isinstance(op, torch._ops.OpOverload) and memoizable(op)):
+    if not memoizable(op):
         return register
 
     def registering(rule):
@@ -502,19 +502,18 @@ def _legalized_in_place(gm):
                     queue.appendleft(user)
                 else:
                     queue.append(user)
+    if len(order) < len(graph.nodes):  # a cycle: upstream's error
+        return _UPSTREAM_LEGALIZE(gm)
     namespace = torch.fx.graph._Namespace()
     for node in order:
-        if namespace.create_name(node.name, None) != node.name:
-            break
+        if namespace.create_name(node.name, None) != node.name:  # a name a copy would change
+            return _UPSTREAM_LEGALIZE(gm)
         namespace.associate_name_with_obj(node.name, node)
-    else:
-        if len(order) == len(graph.nodes):  # else a cycle: upstream's error
-            for node in order:
-                graph._root.prepend(node)  # to the end: the nodes end in `order`
-                node.args = node.args  # re-registers it last among its inputs' users
-            graph._graph_namespace = namespace
-            return gm
-    return _UPSTREAM_LEGALIZE(gm)
+    for node in order:
+        graph._root.prepend(node)  # to the end: the nodes end in `order`
+        node.args = node.args  # re-registers it last among its inputs' users
+    graph._graph_namespace = namespace
+    return gm
 
 
 _CHAINED = "executorch.exir.passes."

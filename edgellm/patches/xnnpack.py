@@ -67,8 +67,6 @@ from . import Patch, replacing
 
 _UPSTREAM_PREPROCESS = XnnpackBackend.__dict__["preprocess"]  # a staticmethod
 _UPSTREAM_TRANSFORM = XNNPACKPassManager.__dict__["transform"]
-_UPSTREAM_UPSAMPLE = ConvertToUpsampleBilinear2d.__dict__["call"]
-_UPSTREAM_SDPA = ConvertToSDPAPass.__dict__["call"]
 _SOFTMAX = exir_ops.edge.aten._softmax.default
 _UPSTREAM_GENERATE = ConfigerationBasedPartitioner.__dict__["generate_partitions"]
 _UPSAMPLE = exir_ops.edge.aten.upsample_bilinear2d.vec
@@ -263,30 +261,27 @@ def _answer_up_front(self, ep):
     return ops, check
 
 
-def _upsample_where_one_can_match(self, graph_module):
-    """ConvertToUpsampleBilinear2d.call without its patterns when none can match: each of its
-    four patterns holds an `upsample_bilinear2d.vec` node (tested), and `SubgraphMatcher` pairs
+def _where_one_can_match(pass_type: type, anchor):
+    """`pass_type.call` (a pattern-replacing pass of XNNPACK's) without its patterns when none
+    can match: each of its patterns holds an `anchor` node (tested), and `SubgraphMatcher` pairs
     call_function nodes by target, so a graph without one matches nothing; then neither the
-    patterns (four exports and edge lowerings, once a process) nor the matching are needed. The
-    graph is recompiled and retraced as upstream ends (`skip_retraces` hands it back)."""
-    if any(n.op == "call_function" and n.target == _UPSAMPLE for n in graph_module.graph.nodes):
-        return _UPSTREAM_UPSAMPLE(self, graph_module)
-    graph_module.recompile()
-    graph_module = super(ConvertToUpsampleBilinear2d, self).call(graph_module).graph_module
-    return PassResult(graph_module, True)
+    patterns (exports and edge lowerings, once a process) nor the matching (nor the debug-log
+    `print_readable`s of the graph) are needed. The graph is recompiled and retraced as
+    upstream's `call` ends (`skip_retraces` hands it back)."""
+    upstream = pass_type.__dict__["call"]
+
+    def call(self, graph_module):
+        if any(n.op == "call_function" and n.target == anchor for n in graph_module.graph.nodes):
+            return upstream(self, graph_module)
+        graph_module.recompile()
+        graph_module = super(pass_type, self).call(graph_module).graph_module
+        return PassResult(graph_module, True)
+    return call
 
 
-def _sdpa_where_one_can_match(self, graph_module):
-    """ConvertToSDPAPass.call without its patterns when none can match: both hold a `_softmax`
-    node (tested), and a partition without one (an LLM's: its attention is ExecuTorch's
-    custom_sdpa, outside XNNPACK) matches nothing; then neither the patterns (two exports and
-    edge lowerings, once a process) nor the matching, nor the graph printed twice for a debug
-    log, are needed. The graph is recompiled and retraced as upstream ends."""
-    if any(n.op == "call_function" and n.target == _SOFTMAX for n in graph_module.graph.nodes):
-        return _UPSTREAM_SDPA(self, graph_module)
-    graph_module.recompile()
-    graph_module = super(ConvertToSDPAPass, self).call(graph_module).graph_module
-    return PassResult(graph_module, True)
+# upsample: four bilinear patterns; SDPA: two (an LLM's attention is custom_sdpa, outside XNNPACK)
+_upsample_where_one_can_match = _where_one_can_match(ConvertToUpsampleBilinear2d, _UPSAMPLE)
+_sdpa_where_one_can_match = _where_one_can_match(ConvertToSDPAPass, _SOFTMAX)
 
 
 class _ReadOnce(ExportGraphSignature):
