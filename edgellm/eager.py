@@ -40,6 +40,8 @@ def eager_model(cfg: ExportConfig, plan, stages: Stages,
                              tokenizer=cfg.tokenizer)
         source.bos_id = source.bos_id if cfg.bos_id is None else cfg.bos_id
         source.eos_ids = source.eos_ids if cfg.eos_ids is None else cfg.eos_ids
+    for line in [] if stages.quiet else source.notes:
+        print(line, file=sys.stderr, flush=True)
     made("load", source)
     trained = getattr(source.hf_config, "max_position_embeddings", None)
     if trained and cfg.context_len > trained and not cfg.allow_long_context:

@@ -99,9 +99,10 @@ def tiny_family_configs(vocab) -> dict:
     """{model_type: config} of the families beyond Llama, LFM2 and Qwen, each with what sets it
     apart switched on: windows of WINDOW, per-layer-type RoPE, Granite's multipliers, Gemma's
     soft cap and attention scale, Phi's partial rotary and LongRoPE past a short original
-    context (32), SmolLM3's NoPE layer."""
+    context (32), SmolLM3's NoPE layer, Qwen3.5's DeltaNet layer beside a gated attention one."""
     from transformers import (Gemma3TextConfig, GraniteConfig, Lfm3Config, MinistralConfig,
-                              MistralConfig, Olmo2Config, Phi3Config, SmolLM3Config)
+                              MistralConfig, Olmo2Config, Phi3Config, Qwen3_5TextConfig,
+                              SmolLM3Config)
 
     common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=256, bos_token_id=0,
@@ -135,10 +136,16 @@ def tiny_family_configs(vocab) -> dict:
                                  residual_multiplier=0.5, attention_multiplier=0.3,
                                  logits_scaling=2.0, initializer_range=0.1),
         "olmo2": Olmo2Config(**common, num_hidden_layers=2),
+        # two value heads per key head, partial rotary (a quarter of each head), the q gate
+        "qwen3_5_text": Qwen3_5TextConfig(
+            **common, num_hidden_layers=2, head_dim=16, linear_conv_kernel_dim=4,
+            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+            linear_value_head_dim=8, layer_types=["linear_attention", "full_attention"]),
     }
 
 
-FAMILIES = ("lfm3", "gemma3_text", "mistral", "ministral", "smollm3", "phi3", "granite", "olmo2")
+FAMILIES = ("lfm3", "gemma3_text", "mistral", "ministral", "smollm3", "phi3", "granite", "olmo2",
+            "qwen3_5_text")
 
 
 def q4_k_blocks(shape, seed=0):

@@ -141,9 +141,27 @@ def write_phi3(folder, hf, out: Path):
     return "phi_4_mini", ref
 
 
+def write_qwen3_5(folder, hf, out: Path):
+    """ExecuTorch's own convert_weights, and params as its qwen3_5 configs write them: the q
+    gate, the unit offset of the norms, the DeltaNet sizes, partial rotary."""
+    from executorch.examples.models.qwen3_5.convert_weights import convert_weights
+
+    convert_weights(str(folder), str(out / "model.pth"))
+    cfg = hf.config
+    (out / "params.json").write_text(json.dumps(params_for(
+        cfg, head_dim=cfg.head_dim, norm_eps=cfg.rms_norm_eps, use_hf_rope=True,
+        partial_rotary_factor=cfg.rope_parameters["partial_rotary_factor"],
+        attention_qkv_bias=False, use_qk_norm=True, qk_norm_before_rope=True,
+        attention_type="mha", use_q_gate=True, rms_norm_add_unit_offset=True,
+        layer_types=cfg.layer_types, **{f: getattr(cfg, f) for f in (
+            "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
+            "linear_num_key_heads", "linear_num_value_heads")})))
+    return "qwen3_5_0_8b", hf
+
+
 @pytest.mark.parametrize("arch, write", [("lfm2", write_lfm2), ("llama", write_llama),
                                          ("qwen2", write_qwen2), ("qwen3", write_qwen3),
-                                         ("phi3", write_phi3)])
+                                         ("phi3", write_phi3), ("qwen3_5_text", write_qwen3_5)])
 def test_executorch_checkpoint_matches_transformers(tiny_models, prompt_ids, tmp_path, arch,
                                                      write):
     folder, hf = tiny_models[arch]
@@ -236,8 +254,8 @@ LFM2_PARAMS = dict(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=96, h
 
 
 @pytest.mark.parametrize("model_class, match", [
-    ("qwen3_5_0_8b", r"model_class 'qwen3_5_0_8b' is not supported: Qwen3\.5 .*no qwen3_5 "
-                     r"architecture.*Supported: lfm2_350m, .*qwen2_5_0_5b, .*qwen3_4b"),
+    ("llama3_2_vision", r"model_class 'llama3_2_vision' is not supported: a torchtune "
+                        r"multimodal.*Supported: lfm2_350m, .*qwen2_5_0_5b, .*qwen3_5_4b"),
     ("gpt5", r"Unknown ExecuTorch model_class 'gpt5'\..*Supported: lfm2_350m"),
     ("llama3_3", r"Unknown ExecuTorch model_class 'llama3_3'\. Did you mean 'llama3_\d'\?")])
 def test_refuses_model_class(model_class, match):
@@ -374,6 +392,31 @@ def test_qwen3_params_need_its_head_norms():
     with pytest.raises(InputError, match=r"use_hf_rope, use_qk_norm and qk_norm_before_rope must "
                        r"all be true, as in ExecuTorch's qwen3 configs"):
         hf_config_from_params({**params, "use_qk_norm": False}, "qwen3_0_6b")
+
+
+QWEN3_5_PARAMS = {**LFM2_PARAMS, "head_dim": 16, "use_q_gate": True,
+                  "rms_norm_add_unit_offset": True, "partial_rotary_factor": 0.25,
+                  "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+                  "linear_conv_kernel_dim": 4, "linear_key_head_dim": 8,
+                  "linear_value_head_dim": 8, "linear_num_key_heads": 2,
+                  "linear_num_value_heads": 4}
+
+
+def test_qwen3_5_params_need_the_gate_the_offset_and_the_deltanet_sizes():
+    cfg = hf_config_from_params(QWEN3_5_PARAMS, "qwen3_5_2b")
+    assert (cfg.model_type, cfg.linear_num_value_heads, cfg.layer_types[3]) == (
+        "qwen3_5_text", 4, "full_attention")
+    assert cfg.rope_parameters["partial_rotary_factor"] == 0.25
+    derived = {k: v for k, v in QWEN3_5_PARAMS.items() if k != "linear_value_head_dim"}
+    assert hf_config_from_params(derived, "qwen3_5_2b").linear_value_head_dim == 16  # head_dim
+    with pytest.raises(InputError, match=r"use_hf_rope, use_qk_norm, qk_norm_before_rope, "
+                       r"use_q_gate and rms_norm_add_unit_offset must all be true, as in "
+                       r"ExecuTorch's qwen3_5 configs"):
+        hf_config_from_params({**QWEN3_5_PARAMS, "use_q_gate": False}, "qwen3_5_2b")
+    with pytest.raises(InputError, match=r"use_q_gate=True is not supported by lfm2 \(only "
+                       r"False\); linear_num_key_heads=2 is not supported by lfm2"):
+        hf_config_from_params({**LFM2_PARAMS, "use_q_gate": True, "linear_num_key_heads": 2},
+                              "lfm2_350m")
 
 
 def test_qkv_biases_belong_to_qwen2_only():

@@ -39,6 +39,9 @@ class ModelOptions:
     fold_norms: bool = False  # fold RMSNorm weights into the linears that follow them
     fuse_qk: bool = False  # LFM2, Qwen3: q and k projections, norms and RoPE as one (fused_qk)
     separate_head: bool = False  # a tied head as its own parameter over the embedding's storage
+    # gated DeltaNet's recurrence over a call's tokens (Qwen3.5): "op", ExecuTorch's
+    # llama::gated_delta_rule (any T); "loop", token by token in plain ops (T fixed)
+    delta_rule: str = "loop"
 
 
 @dataclass
@@ -218,6 +221,72 @@ def write_at(buffer: torch.Tensor, dim: int, index: torch.Tensor, values: torch.
     torch.ops.aten.index_put_(buffer, [None] * dim + [index], values)
 
 
+class WindowConv(nn.Module):
+    """A depthwise conv's parameters in time-major layout: weight (L, channels), bias
+    (channels)."""
+
+    def __init__(self, d: int, L: int, bias: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(L, d))
+        self.bias = nn.Parameter(torch.empty(d)) if bias else None
+
+
+class CausalConv(nn.Module):
+    """The state of a depthwise causal conv of kernel L over a call's tokens (LFM2's short conv,
+    Qwen3.5's DeltaNet): each call convolves [state, x] without padding and keeps the last L-1
+    steps, so prefill and decode are one code path; the state is zeroed when a call starts a
+    sequence. "conv1d": state (1, channels, L-1) and F.conv1d channels-first. "window": state
+    (1, L-1, channels) and a multiply-and-sum over the time-major window with no transposes
+    (Core ML); the weight is then (L, channels) (`WindowConv`, transposed at load time)."""
+
+    def init_state(self, d: int, L: int, opts: ModelOptions, dtype) -> None:
+        self.state_write, self.window = opts.state_write, opts.conv == "window"
+        shape = (1, L - 1, d) if self.window else (1, d, L - 1)
+        self.register_buffer("conv_state", torch.zeros(shape, dtype=dtype, device="cpu"),
+                             persistent=False)
+        self.register_buffer("state_cols", torch.arange(L - 1, device="cpu"), persistent=False)
+
+    def conv_module(self, d: int, L: int, bias: bool) -> nn.Module:
+        return (WindowConv(d, L, bias) if self.window
+                else nn.Conv1d(d, d, kernel_size=L, groups=d, bias=bias))
+
+    def causal_conv(self, conv: nn.Module, x: torch.Tensor, step: Step) -> torch.Tensor:
+        """x (1, T, channels) through `conv` after the state, which then holds x's last L-1
+        steps: (1, T, channels)."""
+        T, keep = x.shape[1], self.conv_state.shape[1 if self.window else 2]
+        if self.window:
+            window = torch.cat([self.conv_state * step.keep, x], dim=1)  # (1, L-1+T, D)
+            self._write(window[:, -keep:, :])
+            return self._window_conv(conv, window, T)
+        window = torch.cat([self.conv_state * step.keep, x.transpose(1, 2)], dim=-1)
+        self._write(window[:, :, -keep:])  # (1, D, L-1)
+        return F.conv1d(window, conv.weight, conv.bias, groups=window.shape[1]).transpose(1, 2)
+
+    def _write(self, new_state):
+        if self.state_write == "index_put":
+            write_at(self.conv_state, 1 if self.window else 2, self.state_cols, new_state)
+        else:
+            self.conv_state.copy_(new_state)
+
+    @staticmethod
+    def _window_conv(conv, window, T):
+        """y[t] = sum_k w[k] * window[t + k]: (1, L-1+T, D) -> (1, T, D)."""
+        w = conv.weight  # (L, D)
+        if T == 1:
+            y = (window * w).sum(1, keepdim=True)
+        else:
+            y = sum(window[:, k:k + T, :] * w[k] for k in range(w.shape[0]))
+        return y if conv.bias is None else y + conv.bias
+
+
+def time_major_conv(sd: dict, suffix: str) -> None:
+    """Depthwise conv weights (channels, 1, L) under keys ending in `suffix` -> (L, channels),
+    for the "window" conv."""
+    for key in [k for k in sd if k.endswith(suffix)]:
+        w = sd[key]
+        sd[key] = w.reshape(w.shape[0], w.shape[-1]).T.contiguous() if w.dim() == 3 else w
+
+
 def ring_slots(window: int | None, opts: ModelOptions) -> int:
     """Cache length of an attention layer: max_context_len, or for a sliding window shorter than
     that the ring of window + max_call_len - 1 slots. A call's tokens then never overwrite a
@@ -367,21 +436,25 @@ def weight_bytes(lm: nn.Module) -> int:
     return total
 
 
-STATE = ("k_cache", "v_cache", "conv_state")  # the buffers a program keeps between calls
+# the buffers a program keeps between calls
+STATE = ("k_cache", "v_cache", "conv_state", "recurrent_state")
 
 
 def state_report(lm: nn.Module) -> dict:
     """What the program keeps between calls, layer by layer: each KV cache's (a ring buffer's,
-    for a sliding window) and conv state's shape, the window, and the bytes; and the total."""
-    layers = []
+    for a sliding window), conv state's and recurrent state's shape, the window, and the bytes;
+    the total; and each kind of buffer's dtype (a recurrent state stays float32 whatever the
+    model's dtype and recipe)."""
+    layers, dtypes = [], {}
     for i, layer in enumerate(lm.model.layers):
         cache = next((m for m in layer.modules() if isinstance(m, KVCache)), None)
         buffers = {n.rsplit(".", 1)[-1]: b for n, b in layer.named_buffers()
                    if n.endswith(STATE)}
+        dtypes.update({k: str(b.dtype).removeprefix("torch.") for k, b in buffers.items()})
         layers.append({"layer": i, "window": cache.window if cache else None,
                        **{k: list(b.shape) for k, b in buffers.items()},
                        "bytes": sum(b.numel() * b.element_size() for b in buffers.values())})
-    return {"layers": layers, "bytes": sum(row["bytes"] for row in layers)}
+    return {"layers": layers, "bytes": sum(row["bytes"] for row in layers), "dtypes": dtypes}
 
 
 def separate_tied_head(lm: nn.Module) -> None:

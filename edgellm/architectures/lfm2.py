@@ -21,8 +21,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import InputError
-from .layers import (KVCache, ModelOptions, RMSNorm, Rope, fold_norm, fuse_qk_weights, fused_qk,
-                     head_weight, run_decoder, split_heads, write_at)
+from .layers import (CausalConv, KVCache, ModelOptions, RMSNorm, Rope, fold_norm,
+                     fuse_qk_weights, fused_qk, head_weight, run_decoder, split_heads,
+                     time_major_conv)
 from .registry import Architecture, ExecuTorchLayout, GgufLayout, layer_kinds
 
 KINDS = ("conv", "full_attention")
@@ -90,63 +91,23 @@ class Attention(nn.Module):
         return self.out_proj(self.cache(q, k, v, step))
 
 
-class WindowConv(nn.Module):
-    """The depthwise conv's parameters in time-major layout: weight (L, hidden), bias (hidden)."""
-
-    def __init__(self, d: int, L: int, bias: bool):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(L, d))
-        self.bias = nn.Parameter(torch.empty(d)) if bias else None
-
-
-class ShortConv(nn.Module):
-    """"conv1d": state (1, hidden, L-1) and F.conv1d over [state, B*x] channels-first.
-    "window": state (1, L-1, hidden) and a multiply-and-sum over the time-major window, with no
-    transposes (Core ML); the weight is transposed to (L, hidden) at load time."""
+class ShortConv(CausalConv):
+    """B*x through the causal conv (layers.CausalConv), gated by C."""
 
     def __init__(self, cfg, opts: ModelOptions, dtype):
         super().__init__()
         d, L, bias = cfg.hidden_size, cfg.conv_L_cache, cfg.conv_bias
-        self.state_write, self.window = opts.state_write, opts.conv == "window"
+        self.init_state(d, L, opts, dtype)
         self.b_proj = nn.Linear(d, d, bias=bias)
         self.c_proj = nn.Linear(d, d, bias=bias)
         self.x_proj = nn.Linear(d, d, bias=bias)
-        self.conv = (WindowConv(d, L, bias) if self.window
-                     else nn.Conv1d(d, d, kernel_size=L, groups=d, bias=bias))
+        self.conv = self.conv_module(d, L, bias)
         self.out_proj = nn.Linear(d, d, bias=bias)
-        shape = (1, L - 1, d) if self.window else (1, d, L - 1)
-        self.register_buffer("conv_state", torch.zeros(shape, dtype=dtype, device="cpu"),
-                             persistent=False)
-        self.register_buffer("state_cols", torch.arange(L - 1, device="cpu"), persistent=False)
 
     def forward(self, x, step):
-        T, keep = x.shape[1], self.conv_state.shape[1 if self.window else 2]
         bx = self.b_proj(x) * self.x_proj(x)  # (1, T, D)
-        if self.window:
-            window = torch.cat([self.conv_state * step.keep, bx], dim=1)  # (1, L-1+T, D)
-            self._write(window[:, -keep:, :])
-            y = self._window_conv(window, T)
-        else:
-            window = torch.cat([self.conv_state * step.keep, bx.transpose(1, 2)], dim=-1)
-            self._write(window[:, :, -keep:])  # (1, D, L-1)
-            y = F.conv1d(window, self.conv.weight, self.conv.bias,
-                         groups=window.shape[1]).transpose(1, 2)
+        y = self.causal_conv(self.conv, bx, step)
         return self.out_proj(self.c_proj(x) * y)
-
-    def _write(self, new_state):
-        if self.state_write == "index_put":
-            write_at(self.conv_state, 1 if self.window else 2, self.state_cols, new_state)
-        else:
-            self.conv_state.copy_(new_state)
-
-    def _window_conv(self, window, T):
-        """y[t] = sum_k w[k] * window[t + k]: (1, L-1+T, D) -> (1, T, D)."""
-        w = self.conv.weight  # (L, D)
-        if T == 1:
-            y = (window * w).sum(1, keepdim=True)
-        else:
-            y = sum(window[:, k:k + T, :] * w[k] for k in range(w.shape[0]))
-        return y if self.conv.bias is None else y + self.conv.bias
 
 
 class MLP(nn.Module):
@@ -250,10 +211,7 @@ class Lfm2ForCausalLM(nn.Module):
 
     @staticmethod
     def _time_major_conv(sd: dict) -> None:
-        """conv.conv.weight (hidden, 1, L) -> (L, hidden) for the "window" conv."""
-        for key in [k for k in sd if k.endswith(".conv.conv.weight")]:
-            w = sd[key]
-            sd[key] = w.reshape(w.shape[0], w.shape[-1]).T.contiguous() if w.dim() == 3 else w
+        time_major_conv(sd, ".conv.conv.weight")
 
     def _fold_norms(self, sd: dict) -> None:
         """Each block's two norms feed only linears: fold their weights into them."""

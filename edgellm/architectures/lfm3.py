@@ -19,7 +19,7 @@ from .layers import ModelOptions
 from .registry import Architecture
 
 KINDS = ("conv", "sliding_attention", "full_attention")
-VARIANT = llama.Variant(qk_norm="head", gate=True, rotary="lfm3.modeling_lfm3:Lfm3RotaryEmbedding")
+VARIANT = llama.Variant(qk_norm="head", gate="head", rotary="lfm3.modeling_lfm3:Lfm3RotaryEmbedding")
 
 
 def check(cfg) -> list[str]:

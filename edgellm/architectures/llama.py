@@ -92,7 +92,9 @@ class Variant:
     norm_offset: bool = False
     fused: bool = False
     embed_sqrt: bool = False
-    gate: bool = False  # a sigmoid gate per head on the attention output (LFM3's g_proj)
+    # a sigmoid gate on the attention output, computed from the block's input by `g_proj`:
+    # "head", one per head (LFM3); "element", one per output element (Qwen3.5)
+    gate: str | None = None
     rotary: str = "llama.modeling_llama:LlamaRotaryEmbedding"
 
 
@@ -159,8 +161,10 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(hd * (self.n_kv if whole else 1), eps, opts.norm)
         self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * hd, bias=qkv_bias)
         self.o_proj = nn.Linear(self.n_heads * hd, cfg.hidden_size, bias=bias)
-        if variant.gate:
-            self.g_proj = nn.Linear(cfg.hidden_size, self.n_heads, bias=False)
+        self.gate = variant.gate
+        if self.gate:
+            width = self.n_heads * (hd if self.gate == "element" else 1)
+            self.g_proj = nn.Linear(cfg.hidden_size, width, bias=False)
         with torch.device("cpu"):
             self.cache = KVCache(self.n_heads, self.n_kv, self.head_dim, opts, dtype, window,
                                  attention_scale(cfg))
@@ -189,9 +193,12 @@ class Attention(nn.Module):
         return split_heads(y, n, self.head_dim, step)
 
     def _gated(self, out, x):
-        """out (1, T, H*D), each head times sigmoid(g_proj(x)) where the model gates."""
-        if not hasattr(self, "g_proj"):
+        """out (1, T, H*D), each head or element times sigmoid(g_proj(x)) where the model
+        gates."""
+        if not self.gate:
             return out
+        if self.gate == "element":
+            return out * torch.sigmoid(self.g_proj(x))
         gate = torch.sigmoid(self.g_proj(x)).unsqueeze(-1)  # (1, T, H, 1)
         heads = out.view(1, -1, self.n_heads, self.head_dim) * gate
         return heads.view(1, -1, self.n_heads * self.head_dim)

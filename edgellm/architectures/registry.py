@@ -16,16 +16,15 @@ from ..errors import InputError
 MODULES = {"lfm2": "lfm2", "lfm3": "lfm3", "llama": "llama", "mistral": "mistral",
            "ministral": "mistral", "smollm3": "smollm3", "qwen2": "qwen2", "qwen3": "qwen3",
            "gemma3_text": "gemma3", "gemma3": "gemma3", "phi3": "phi3", "granite": "granite",
-           "olmo2": "olmo2"}
+           "olmo2": "olmo2", "qwen3_5_text": "qwen3_5", "qwen3_5": "qwen3_5"}
 NAMES = tuple(MODULES)
 _MOE = "a mixture-of-experts model: edgellm has no MoE architecture yet"
 # HF model_types edgellm refuses, with why (anything else is simply unknown)
 REFUSED_TYPES = {
     **dict.fromkeys(("lfm2_moe", "qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "granitemoe",
                      "granitemoehybrid", "phimoe", "deepseek_v3", "gpt_oss"), _MOE),
-    **dict.fromkeys(("qwen3_5", "qwen3_5_text", "qwen3_next"),
-                    "gated DeltaNet linear-attention layers: edgellm has no qwen3_5 architecture "
-                    "yet"),
+    "qwen3_next": "Qwen3-Next (gated DeltaNet layers with mixture-of-experts feed-forwards): "
+                  "edgellm has no qwen3_next architecture; Qwen3.5 (qwen3_5) exports",
     "gemma3n": "Gemma 3n (per-layer embeddings, AltUp, LAuReL): edgellm has no gemma3n "
                "architecture; Gemma 3 (gemma3_text, or the text tower of a gemma3 folder) exports",
     **dict.fromkeys(("gemma4", "gemma4_text"), "Gemma 4: edgellm has no gemma4 architecture yet; "
@@ -43,8 +42,6 @@ GGUF_REFUSED = {"qwen35": "qwen3_5", "qwen35moe": "qwen3_5_moe", "qwen2moe": "qw
                 "qwen3next": "qwen3_next"}
 # ExecuTorch base.model_class values edgellm refuses, with the reason
 REFUSED_CLASSES = {
-    **dict.fromkeys(("qwen3_5_0_8b", "qwen3_5_2b", "qwen3_5_4b"), "Qwen3.5 (gated DeltaNet "
-                    "linear-attention layers): edgellm has no qwen3_5 architecture yet"),
     "llama3_2_vision": "a torchtune multimodal decoder: edgellm has no vision architecture",
     "static_llama": "Qualcomm's static-shape wrapper, not a weights layout: give the class the "
                     "checkpoint was trained as (e.g. llama3_2)"}
@@ -143,7 +140,9 @@ def for_gguf(arch: str, path) -> Architecture:
 # config.json sizes the families read: each must be a positive integer where the config has it
 SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
          "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
-         "sliding_window", "conv_L_cache", "query_pre_attn_scalar")
+         "sliding_window", "conv_L_cache", "query_pre_attn_scalar", "linear_conv_kernel_dim",
+         "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
+         "linear_num_value_heads")
 # factors that must be positive where set (Granite's multipliers, Gemma's soft cap)
 FACTORS = ("rms_norm_eps", "norm_eps", "embedding_multiplier", "residual_multiplier",
            "attention_multiplier", "logits_scaling", "final_logit_softcapping")

@@ -7,7 +7,7 @@ BACKEND = Backend(
     summary="no delegate: ExecuTorch portable kernels (slow; for checking)",
     dynamic_shapes=True,
     make_partitioners=lambda options: [],
-    writing={"attention": "sdpa", "norm": "mean"},
+    writing={"attention": "sdpa", "norm": "mean", "delta_rule": "op"},
     quantized_embeddings=True,  # ExecuTorch's quantized_decomposed embedding kernels
     delegates=False,
 )

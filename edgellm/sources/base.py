@@ -19,3 +19,4 @@ class Source:
     eos_ids: tuple[int, ...] = ()
     # how the file stored each HF parameter when it was quantized (GGUF: "Q4_1", "Q8_0", "F32")
     stored_types: dict = field(default_factory=dict)
+    notes: list = field(default_factory=list)  # lines the load stage says on stderr

@@ -36,33 +36,36 @@ _READ = dict(dim=None, n_layers=None, n_heads=None, vocab_size=None, n_kv_heads=
              qk_norm_before_rope=False, attention_qkv_bias=False, layer_types=None,
              partial_rotary_factor=1.0, rope_scaling_short_factor=None,
              rope_scaling_long_factor=None, original_max_position_embeddings=None,
-             max_position_embeddings=None)
+             max_position_embeddings=None, use_q_gate=False, rms_norm_add_unit_offset=False,
+             linear_conv_kernel_dim=4, linear_key_head_dim=None, linear_value_head_dim=None,
+             linear_num_key_heads=None, linear_num_value_heads=None)
+_LINEAR = ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
+           "linear_num_key_heads", "linear_num_value_heads")  # Qwen3.5's DeltaNet sizes
 # fields only some architectures read (ExecuTorchLayout.reads); elsewhere only at their default
 _OPTIONAL = ("partial_rotary_factor", "rope_scaling_short_factor", "rope_scaling_long_factor",
-             "original_max_position_embeddings")
+             "original_max_position_embeddings", "use_q_gate", "rms_norm_add_unit_offset",
+             *_LINEAR)
 _REQUIRED = ("dim", "n_layers", "n_heads", "vocab_size")
 _INTS = {"dim", "n_layers", "n_heads", "vocab_size", "n_kv_heads", "hidden_dim", "head_dim",
          "multiple_of", "rope_scale_factor", "high_freq_factor",
-         "original_max_position_embeddings", "max_position_embeddings"}
+         "original_max_position_embeddings", "max_position_embeddings", *_LINEAR}
 _LISTS = {"rope_scaling_short_factor", "rope_scaling_long_factor"}
 _FLAGS = {"use_scaled_rope", "use_hf_rope", "use_qk_norm", "qk_norm_before_rope",
-          "attention_qkv_bias"}
+          "attention_qkv_bias", "use_q_gate", "rms_norm_add_unit_offset"}
 # Fields about the export or the runtime, or that only matter beside a refused feature (moe,
-# linear-attention layers, LongRoPE, LoRA): they do not change what the architectures compute.
+# LongRoPE, LoRA): they do not change what the architectures compute.
 _IGNORED = {"max_batch_size", "max_seq_len", "max_context_len", "use_kv_cache", "device",
             "use_sdpa_with_kv_cache_op", "generate_full_logits", "enable_dynamic_shape",
             "bos_idx", "eos_idx", "bos_count", "eos_count", "model_architecture", "use_ffn_norm",
             "kv_io_bit_width", "peft_type", "base_model_name_or_path",
             "num_experts", "num_activated_experts", "moe_hidden_dim", "moe_use_expert_bias",
-            "moe_shared_expert_hidden_dim", "moe_score_func", "moe_route_scale",
-            "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
-            "linear_num_key_heads", "linear_num_value_heads"}
+            "moe_shared_expert_hidden_dim", "moe_score_func", "moe_route_scale"}
 # Fields that change the function: accepted only at their ModelArgs default
 _FIXED = dict(
     qk_norm_affine=True, moe=False,
-    attention_type="mha", norm_type="rmsnorm", act_fn="silu", rms_norm_add_unit_offset=False,
+    attention_type="mha", norm_type="rmsnorm", act_fn="silu",
     attention_multiplier=None, post_attention_norm=False, post_ffn_norm=False, output_bias=False,
-    use_q_gate=False, logits_scaling=None, input_prune_map=None, output_prune_map=None,
+    logits_scaling=None, input_prune_map=None, output_prune_map=None,
     apply_embedding=True, embedding_scale_factor=1.0, apply_output=True, residual_multiplier=None,
     no_rope_layer_interval=None, local_rope_theta=None, rope_scaling_attention_factor=None,
     quantization_args=None, lora_args=None, r=None,
@@ -74,7 +77,8 @@ _FIXED = dict(
 _KNOWN = sorted({*_READ, *_IGNORED, *_FIXED})
 
 # State an ExecuTorch model.state_dict() or a Meta consolidated .pth carries beside the weights
-_BUFFERS = re.compile(r"^rope\.freqs$|\.conv_state$|\.kv_cache\.[kv]_cache$|\.mask$")
+_BUFFERS = re.compile(r"^rope\.freqs$|\.conv_state$|\.recurrent_state$|\.kv_cache\.[kv]_cache$"
+                      r"|\.mask$")
 
 
 def _key_problem(key: str, value) -> str | None:

@@ -106,9 +106,14 @@ def load_hf_folder(folder: Path) -> Source:
 
     cfg = read_config(folder)
     state = read_safetensors(weight_files(folder))
-    tower = architecture(cfg.model_type).tower
+    tower, notes = architecture(cfg.model_type).tower, []
     if tower is not None:  # a multimodal folder: its text decoder is what exports
+        folder_type, read = cfg.model_type, len(state)
         cfg, state = tower(cfg, state)
+        if len(state) < read:
+            notes.append(f"[edgellm] load: the text decoder of this {folder_type} folder exports; "
+                         f"{read - len(state)} tensors of its other parts (vision tower, "
+                         "projector, multi-token prediction) are left out")
     state = transformers_names(cfg.model_type, state)
     eos = _ids(getattr(cfg, "eos_token_id", None))
     gen = folder / "generation_config.json"
@@ -120,7 +125,8 @@ def load_hf_folder(folder: Path) -> Source:
 
     write, tokenizer = _folder_tokenizer(folder)
     return Source(hf_config=cfg, state_dict=state, origin=str(folder), write_tokenizer=write,
-                  tokenizer=tokenizer, bos_id=getattr(cfg, "bos_token_id", None), eos_ids=eos)
+                  tokenizer=tokenizer, bos_id=getattr(cfg, "bos_token_id", None), eos_ids=eos,
+                  notes=notes)
 
 
 def _folder_tokenizer(folder: Path):
