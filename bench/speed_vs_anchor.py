@@ -4,8 +4,9 @@
 usage: python bench/speed_vs_anchor.py ANCHOR.pte EDGELLM_OUT [--rounds 5] [--steps 32]
            [--prompt 64]
 
-Each round measures a 64-token prefill (the best of 3 one-call prefills) and the median of `steps`
-single-token decode calls for one program, then the other, alternating which goes first. Figures are medians over
+Each round measures a 64-token prefill (the best of 3, each in one call where the program's T is
+dynamic, else a token per call: Program.prefill) and the median of `steps` single-token decode
+calls for one program, then the other, alternating which goes first. Figures are medians over
 rounds; decode is also given against the memory-bandwidth floor: weights read per token (from
 edgellm's report) over the bandwidth measured right before that program's decode in that round, so
 a drifting host moves both sides of each ratio together. The fraction is the median over rounds;
@@ -29,10 +30,9 @@ from edgellm.runtime import Program, native_logs  # noqa: E402
 
 
 def measure(program, prompt: list[int], steps: int, calls: int = 3) -> tuple[float, float]:
-    """Prefill: the best of `calls` one-call prefills; decode: the median single-token call."""
-    tokens = torch.tensor([prompt])
-    prefill_s = min(timed(lambda: program.forward(tokens, torch.tensor([0])))
-                    for _ in range(calls))
+    """Prefill: the best of `calls` prefills of the prompt as the program takes it (one call
+    when its T is dynamic, a token a call when T is 1); decode: the median single-token call."""
+    prefill_s = min(timed(lambda: program.prefill(prompt)) for _ in range(calls))
     return len(prompt) / prefill_s, 1 / decode_step(program, len(prompt), steps)
 
 

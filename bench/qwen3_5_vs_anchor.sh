@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# edgellm beside ExecuTorch's export_llm on a random Qwen3.5-0.8B (max_seq_len 512): export_llm's
+# own qwen3_5_xnnpack_fp32.yaml (fp32, static shapes: a prompt goes in one token per call) and
+# edgellm's fp32 (T dynamic: a prompt is one call), then edgellm's 8da4w, which export_llm does
+# not make, verified against the fp32 checkpoint.
+#
+# usage: bench/qwen3_5_vs_anchor.sh OUTDIR
+#   env ANCHOR_VENV: export_llm's venv (default /tmp/edgellm-anchor-venv, as
+#   ../shared/bench/anchor.sh installs it; run that first if it is missing)
+# OUTDIR/hf (bench/make_checkpoint.py on ExecuTorch's qwen3_5_0_8b params, seed 0, tied) and
+# OUTDIR/anchor.pth (ExecuTorch's qwen3_5 convert_weights) are reused if present. Writes
+# OUTDIR/anchor.jsonl, OUTDIR/edgellm.jsonl and OUTDIR/edgellm_q8da4w.jsonl, prints the export
+# table, the 8da4w export's verification, then both fp32 programs' speed interleaved over 5
+# rounds (speed_vs_anchor.py).
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+root=$(cd "$here/.." && pwd)
+out=${1:?usage: qwen3_5_vs_anchor.sh OUTDIR}
+py=${EDGELLM_PYTHON:-$root/.venv/bin/python}
+venv=${ANCHOR_VENV:-/tmp/edgellm-anchor-venv}
+params="$root/../shared/reference/executorch-params/qwen3_5_0_8b_config.json"
+mkdir -p "$out"; out=$(cd "$out" && pwd)
+[ -f "$out/hf/config.json" ] || "$py" "$here/make_checkpoint.py" "$params" qwen3_5_0_8b "$out/hf" --tied
+[ -f "$out/anchor.pth" ] || "$venv/bin/python" -c "
+from executorch.examples.models.qwen3_5.convert_weights import convert_weights
+convert_weights('$out/hf', '$out/anchor.pth')"
+yaml=$("$venv/bin/python" -c "import os, executorch.examples.models.qwen3_5 as q
+print(os.path.join(os.path.dirname(q.__file__), 'config', 'qwen3_5_xnnpack_fp32.yaml'))")
+( cd "$out" && /usr/bin/time -v "$venv/bin/python" -m executorch.extension.llm.export.export_llm \
+    --config "$yaml" +base.model_class=qwen3_5_0_8b +base.params="$params" \
+    +base.checkpoint="$out/anchor.pth" ++export.max_seq_length=512 \
+    ++export.max_context_length=512 +export.output_name=anchor_xnnpack_fp32.pte \
+    +debug.verbose=True ) > "$out/anchor.log" 2>&1 || true
+"$venv/bin/python" "$root/../shared/bench/anchor_lib.py" summarize xnnpack_fp32 \
+    "$out/anchor.log" "$out/anchor_xnnpack_fp32.pte" > "$out/anchor.jsonl"
+/usr/bin/time -v "$py" -m edgellm.cli export "$out/hf" -o "$out/edgellm_xnnpack_fp32" --force \
+    --backend xnnpack --max-seq-len 512 --max-context-len 512 --no-verify --quiet \
+    > "$out/edgellm.log" 2>&1
+"$py" "$here/summarize.py" xnnpack_fp32 "$out/edgellm_xnnpack_fp32" "$out/edgellm.log" \
+    > "$out/edgellm.jsonl"
+"$py" "$here/summarize.py" --table "$out/anchor.jsonl" "$out/edgellm.jsonl"
+# 1: written, verification failed (random weights at 4 bits flatten the logits; the figures stand)
+/usr/bin/time -v "$py" -m edgellm.cli export "$out/hf" -o "$out/edgellm_xnnpack_q8da4w" --force \
+    --backend xnnpack --quantize 8da4w --max-seq-len 512 --max-context-len 512 --quiet \
+    > "$out/edgellm_q8da4w.log" 2>&1 || [ $? = 1 ]
+"$py" "$here/summarize.py" xnnpack_q8da4w "$out/edgellm_xnnpack_q8da4w" "$out/edgellm_q8da4w.log" \
+    > "$out/edgellm_q8da4w.jsonl"
+"$py" -c "
+import json, sys
+r = json.load(open('$out/edgellm_xnnpack_q8da4w/report.json'))
+print(json.dumps({'verify': r['verify']['checks'], 'perplexity': r['verify'].get('perplexity')}))"
+"$py" "$here/speed_vs_anchor.py" "$out/anchor_xnnpack_fp32.pte" "$out/edgellm_xnnpack_fp32" \
+    --rounds 5
