@@ -7,6 +7,7 @@
 # usage: bench/qwen3_5_vs_anchor.sh OUTDIR
 #   env ANCHOR_VENV: export_llm's venv (default /tmp/edgellm-anchor-venv, as
 #   ../shared/bench/anchor.sh installs it; run that first if it is missing)
+#   env SKIP_ANCHOR=1 reuses OUTDIR/anchor.log and its program from an earlier run of export_llm
 # OUTDIR/hf (bench/make_checkpoint.py on ExecuTorch's qwen3_5_0_8b params, seed 0, tied) and
 # OUTDIR/anchor.pth (ExecuTorch's qwen3_5 convert_weights) are reused if present. Writes
 # OUTDIR/anchor.jsonl, OUTDIR/edgellm.jsonl and OUTDIR/edgellm_q8da4w.jsonl, prints the export
@@ -26,24 +27,27 @@ from executorch.examples.models.qwen3_5.convert_weights import convert_weights
 convert_weights('$out/hf', '$out/anchor.pth')"
 yaml=$("$venv/bin/python" -c "import os, executorch.examples.models.qwen3_5 as q
 print(os.path.join(os.path.dirname(q.__file__), 'config', 'qwen3_5_xnnpack_fp32.yaml'))")
-( cd "$out" && /usr/bin/time -v "$venv/bin/python" -m executorch.extension.llm.export.export_llm \
+[ "${SKIP_ANCHOR:-0}" = 1 ] || ( cd "$out" && /usr/bin/time -v "$venv/bin/python" \
+    -m executorch.extension.llm.export.export_llm \
     --config "$yaml" +base.model_class=qwen3_5_0_8b +base.params="$params" \
     +base.checkpoint="$out/anchor.pth" ++export.max_seq_length=512 \
     ++export.max_context_length=512 +export.output_name=anchor_xnnpack_fp32.pte \
     +debug.verbose=True ) > "$out/anchor.log" 2>&1 || true
-"$venv/bin/python" "$root/../shared/bench/anchor_lib.py" summarize xnnpack_fp32 \
+# a label not starting with "xnnpack": the summaries' own speed probe sends a 64-token prompt in
+# one call, which a static-shape program refuses; speed_vs_anchor.py below measures both
+"$venv/bin/python" "$root/../shared/bench/anchor_lib.py" summarize qwen3_5_fp32 \
     "$out/anchor.log" "$out/anchor_xnnpack_fp32.pte" > "$out/anchor.jsonl"
 /usr/bin/time -v "$py" -m edgellm.cli export "$out/hf" -o "$out/edgellm_xnnpack_fp32" --force \
     --backend xnnpack --max-seq-len 512 --max-context-len 512 --no-verify --quiet \
     > "$out/edgellm.log" 2>&1
-"$py" "$here/summarize.py" xnnpack_fp32 "$out/edgellm_xnnpack_fp32" "$out/edgellm.log" \
+"$py" "$here/summarize.py" qwen3_5_fp32 "$out/edgellm_xnnpack_fp32" "$out/edgellm.log" \
     > "$out/edgellm.jsonl"
 "$py" "$here/summarize.py" --table "$out/anchor.jsonl" "$out/edgellm.jsonl"
 # 1: written, verification failed (random weights at 4 bits flatten the logits; the figures stand)
 /usr/bin/time -v "$py" -m edgellm.cli export "$out/hf" -o "$out/edgellm_xnnpack_q8da4w" --force \
     --backend xnnpack --quantize 8da4w --max-seq-len 512 --max-context-len 512 --quiet \
     > "$out/edgellm_q8da4w.log" 2>&1 || [ $? = 1 ]
-"$py" "$here/summarize.py" xnnpack_q8da4w "$out/edgellm_xnnpack_q8da4w" "$out/edgellm_q8da4w.log" \
+"$py" "$here/summarize.py" qwen3_5_q8da4w "$out/edgellm_xnnpack_q8da4w" "$out/edgellm_q8da4w.log" \
     > "$out/edgellm_q8da4w.jsonl"
 "$py" -c "
 import json, sys
