@@ -89,6 +89,12 @@ def write(report: dict, folder: Path) -> None:
     (folder / "report.md").write_text(markdown(report))
 
 
+def _dtypes(state: dict) -> str:
+    """" (each buffer kind's dtype)", where the report has them."""
+    kinds = state.get("dtypes") or {}
+    return f" ({', '.join(f'{k} {v}' for k, v in kinds.items())})" if kinds else ""
+
+
 def markdown(r: dict) -> str:
     lines = [f"# edgellm export: {r['model']['origin']}", "",
              f"- backends: {', '.join(r['backends'])}",
@@ -97,8 +103,9 @@ def markdown(r: dict) -> str:
              f"- program: {r['pte_bytes'] / 1e6:.1f} MB, max_seq_len {r['max_seq_len']}, "
              f"max_context_len {r['max_context_len']}, dynamic shapes {r['dynamic_shapes']}",
              f"- export: {r['wall_s']:.1f} s, peak RSS {r['peak_rss_mb']:.0f} MB",
-             *([f"- state between calls (KV caches, ring buffers, conv states): "
-                f"{r['state']['bytes'] / 1e6:.2f} MB"] if "state" in r else []),
+             *([f"- state between calls (KV caches, ring buffers, conv and recurrent states): "
+                f"{r['state']['bytes'] / 1e6:.2f} MB{_dtypes(r['state'])}"]
+               if "state" in r else []),
              f"- deprecation warnings while lowering: {r['deprecation_warnings']}", ""]
     lines += ["| method | subgraphs | delegated nodes | non-delegated | non-delegated compute |",
               "|---|---|---|---|---|"]

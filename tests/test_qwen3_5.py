@@ -13,6 +13,7 @@ from edgellm.architectures import build_model
 from edgellm.architectures.layers import ModelOptions, state_report
 
 SIZES = dict(max_seq_len=32, max_context_len=48, verify=False, etrecord=False)
+XNNPACK = dict(SIZES, prefill_chunk=8)  # and a `prefill` method of 8 tokens beside `forward`
 CONV, HEADS, DK, DV = 64, 4, 8, 8  # conv channels (q, k: 2 heads of 8; v: 4 of 8), value heads
 
 
@@ -28,6 +29,26 @@ def sequence():
     return [int(x) for x in torch.randint(2, 160, (44,), generator=g)]
 
 
+def test_the_kernel_over_t_tokens_equals_the_recurrence_a_token_at_a_time():
+    """llama::gated_delta_rule over 29 tokens from a nonzero state, against the loop Core ML's
+    programs unroll: the same outputs and final state."""
+    import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401
+
+    from edgellm.architectures.qwen3_5 import GatedDeltaNet
+
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.nn.functional.normalize(torch.randn(1, 29, 4, 8, generator=g), dim=-1)
+            for _ in range(2))
+    v = torch.randn(1, 29, 4, 6, generator=g)
+    decay, beta = torch.rand(1, 29, 4, generator=g), torch.rand(1, 29, 4, generator=g)
+    state = torch.randn(1, 4, 8, 6, generator=g)
+    by_kernel = GatedDeltaNet._op(q, k, v, decay, beta, state)
+    by_token = GatedDeltaNet._loop(q, k, v, decay, beta, state)
+    for a, b in zip(by_kernel, by_token):
+        assert a.shape == b.shape and torch.allclose(a, b, atol=1e-5)
+    assert not torch.allclose(by_token[1], state)  # the state moved
+
+
 @pytest.mark.parametrize("prompt", [1, 7, 29])
 def test_program_takes_a_prompt_of_any_length_in_one_call(tiny_models, exported, sequence,
                                                           prompt):
@@ -37,7 +58,7 @@ def test_program_takes_a_prompt_of_any_length_in_one_call(tiny_models, exported,
     from edgellm.runtime import Program
 
     hf = tiny_models["qwen3_5_text"][1]
-    folder, report = exported("qwen3_5_text", **SIZES)
+    folder, report = exported("qwen3_5_text", **XNNPACK)
     program = Program(folder / "model.pte")
     expected = whole_sequence(hf, sequence)[prompt - 1:]
     for _ in range(2):
@@ -50,11 +71,26 @@ def test_program_takes_a_prompt_of_any_length_in_one_call(tiny_models, exported,
     assert ops["llama_gated_delta_rule_default"] == {"delegated": 0, "non_delegated": 1}
 
 
+def test_prefill_and_forward_continue_one_sequence(tiny_models, exported, sequence):
+    """29 tokens as 3 calls of `prefill` (8 each) and one of `forward` (5): both methods read and
+    write the same conv and recurrent states (one buffer each for both methods)."""
+    from edgellm.runtime import Program
+
+    hf = tiny_models["qwen3_5_text"][1]
+    program = Program(exported("qwen3_5_text", **XNNPACK)[0] / "model.pte")
+    rows = [program.prefill(sequence[:29])[0]]
+    for t in range(29, len(sequence) - 1):
+        rows.append(program.forward(torch.tensor([[sequence[t]]]), torch.tensor([t]))[0])
+    expected = whole_sequence(hf, sequence)[28:]
+    assert_logits_close(torch.stack(rows), expected[:len(rows)], atol=1e-4,
+                        what="qwen3.5 prefill then forward")
+
+
 def test_state_report_names_both_deltanet_buffers_and_keeps_the_recurrence_float(tiny_models,
                                                                                  exported):
     """The DeltaNet layer keeps its conv state (kernel 4: 3 steps) and a key x value matrix per
     value head; the attention layer its KV cache. In fp16 the recurrent state stays float32."""
-    report = exported("qwen3_5_text", **SIZES)[1]["state"]
+    report = exported("qwen3_5_text", **XNNPACK)[1]["state"]
     deltanet, attention = report["layers"]
     assert deltanet["conv_state"] == [1, CONV, 3] and "k_cache" not in deltanet
     assert deltanet["recurrent_state"] == [1, HEADS, DK, DV]
@@ -62,6 +98,8 @@ def test_state_report_names_both_deltanet_buffers_and_keeps_the_recurrence_float
     assert attention["k_cache"] == [1, 48, 2, 16] and "recurrent_state" not in attention
     assert report["dtypes"] == {"conv_state": "float32", "recurrent_state": "float32",
                                 "k_cache": "float32", "v_cache": "float32"}
+    md = (exported("qwen3_5_text", **XNNPACK)[0] / "report.md").read_text()
+    assert "(conv_state float32, recurrent_state float32, k_cache float32, v_cache float32)" in md
     hf = tiny_models["qwen3_5_text"][1]
     half = build_model(hf.config, hf.state_dict(), ModelOptions(48), torch.float16)
     assert state_report(half)["dtypes"] == {"conv_state": "float16",

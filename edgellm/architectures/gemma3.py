@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from . import llama
-from .registry import GgufLayout
+from .registry import GgufLayout, text_tensors
 
 
 def _gguf_fix(raw: dict, key, names: tuple, values) -> None:
@@ -50,13 +50,7 @@ _TEXT = (("model.language_model.", "model."), ("language_model.model.", "model."
 def _text_tower(cfg, state_dict: dict):
     """(Gemma3Config, its state dict) -> the text decoder's; the vision tower and projector are
     left out."""
-    text = {}
-    for key, value in state_dict.items():
-        for old, new in _TEXT:
-            if key.startswith(old):
-                text[new + key[len(old):]] = value
-                break
-    return cfg.text_config, text
+    return cfg.text_config, text_tensors(state_dict, _TEXT)
 
 
 TOWER = dataclasses.replace(

@@ -37,7 +37,7 @@ from ..errors import InputError
 from . import lfm2, llama
 from .layers import (FULL, CausalConv, ModelOptions, RMSNorm, fold_norm, fuse_qk_weights,
                      head_weight, run_decoder, time_major_conv, write_at)
-from .registry import Architecture, layer_kinds
+from .registry import Architecture, layer_kinds, text_tensors
 
 KINDS = ("linear_attention", "full_attention")
 VARIANT = llama.Variant(qk_norm="head", gate="element",
@@ -256,25 +256,13 @@ def build(cfg, opts: ModelOptions, dtype) -> Qwen3_5ForCausalLM:
         return Qwen3_5ForCausalLM(cfg, opts, dtype)
 
 
-def _text_only(state_dict: dict, names: tuple) -> dict:
-    """The text decoder's tensors under transformers' text names (`names`: prefix -> new
-    prefix); the rest (a vision tower, a multi-token-prediction head) left out."""
-    text = {}
-    for key, value in state_dict.items():
-        for old, new in names:
-            if key.startswith(old):
-                text[new + key[len(old):]] = value
-                break
-    return text
-
-
 def _text_tower(cfg, state_dict: dict):
     """(Qwen3_5Config, its state dict) -> the text decoder's. Whether the head is tied is the
     outer config's to say."""
     text = cfg.text_config
     text.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
-    return text, _text_only(state_dict, (("model.language_model.", "model."),
-                                         ("lm_head.", "lm_head.")))
+    return text, text_tensors(state_dict, (("model.language_model.", "model."),
+                                           ("lm_head.", "lm_head.")))
 
 
 # --- ExecuTorch's export_llm: Meta names, params JSON, model classes ---------------------------
@@ -319,7 +307,8 @@ _META = {"attention.q_norm_fn.weight": "self_attn.q_norm.weight",
 ARCHITECTURE = Architecture(
     model_type="qwen3_5_text", summary="Qwen3.5 text decoders (gated DeltaNet + gated attention)",
     build=build, check=check, unsupported=unsupported,
-    tower=lambda cfg, sd: (cfg, _text_only(sd, (("model.", "model."), ("lm_head.", "lm_head.")))),
+    # a text folder may still hold a multi-token-prediction head (mtp.*), which is left out
+    tower=lambda cfg, sd: (cfg, text_tensors(sd, (("model.", "model."), ("lm_head.", "lm_head.")))),
     executorch=llama.meta_layout(
         ("qwen3_5_0_8b", "qwen3_5_2b", "qwen3_5_4b"), _META, _params_problems, _config,
         reads=("partial_rotary_factor", "use_q_gate", "rms_norm_add_unit_offset", *LINEAR)))

@@ -90,8 +90,22 @@ class Architecture:
     unsupported: Callable = lambda cfg: []  # (hf_config) -> features of a valid config it lacks
     executorch: ExecuTorchLayout | None = field(default=None, repr=False)
     gguf: GgufLayout | None = field(default=None, repr=False)
-    # a multimodal folder's (config, state dict) -> its text decoder's, which is what exports
+    # a folder's (config, state dict) -> its text decoder's, which is what exports: a multimodal
+    # folder's text tower, a text folder without its multi-token-prediction head
     tower: Callable | None = field(default=None, repr=False)
+
+
+def text_tensors(state_dict: dict, names: tuple) -> dict:
+    """A multimodal folder's text decoder tensors (for `Architecture.tower`), renamed by prefix
+    (`names`: (old prefix, new prefix), first match wins); the rest (a vision tower, a projector,
+    a multi-token-prediction head) left out."""
+    text = {}
+    for key, value in state_dict.items():
+        for old, new in names:
+            if key.startswith(old):
+                text[new + key[len(old):]] = value
+                break
+    return text
 
 
 def architecture(model_type: str) -> Architecture:
