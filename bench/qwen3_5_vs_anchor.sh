@@ -7,7 +7,7 @@
 # usage: bench/qwen3_5_vs_anchor.sh OUTDIR
 #   env ANCHOR_VENV: export_llm's venv (default /tmp/edgellm-anchor-venv, as
 #   ../shared/bench/anchor.sh installs it; run that first if it is missing)
-#   env SKIP_ANCHOR=1 reuses OUTDIR/anchor.log and its program from an earlier run of export_llm
+#   env SKIP_ANCHOR=1 reuses an earlier export_llm run's program and log
 # OUTDIR/hf (bench/make_checkpoint.py on ExecuTorch's qwen3_5_0_8b params, seed 0, tied) and
 # OUTDIR/anchor.pth (ExecuTorch's qwen3_5 convert_weights) are reused if present. Writes
 # OUTDIR/anchor.jsonl, OUTDIR/edgellm.jsonl and OUTDIR/edgellm_q8da4w.jsonl, prints the export
@@ -21,18 +21,9 @@ py=${EDGELLM_PYTHON:-$root/.venv/bin/python}
 venv=${ANCHOR_VENV:-/tmp/edgellm-anchor-venv}
 params="$root/../shared/reference/executorch-params/qwen3_5_0_8b_config.json"
 mkdir -p "$out"; out=$(cd "$out" && pwd)
-[ -f "$out/hf/config.json" ] || "$py" "$here/make_checkpoint.py" "$params" qwen3_5_0_8b "$out/hf" --tied
-[ -f "$out/anchor.pth" ] || "$venv/bin/python" -c "
-from executorch.examples.models.qwen3_5.convert_weights import convert_weights
-convert_weights('$out/hf', '$out/anchor.pth')"
-yaml=$("$venv/bin/python" -c "import os, executorch.examples.models.qwen3_5 as q
-print(os.path.join(os.path.dirname(q.__file__), 'config', 'qwen3_5_xnnpack_fp32.yaml'))")
-[ "${SKIP_ANCHOR:-0}" = 1 ] || ( cd "$out" && /usr/bin/time -v "$venv/bin/python" \
-    -m executorch.extension.llm.export.export_llm \
-    --config "$yaml" +base.model_class=qwen3_5_0_8b +base.params="$params" \
-    +base.checkpoint="$out/anchor.pth" ++export.max_seq_length=512 \
-    ++export.max_context_length=512 +export.output_name=anchor_xnnpack_fp32.pte \
-    +debug.verbose=True ) > "$out/anchor.log" 2>&1 || true
+. "$here/anchor_family.sh"
+anchor_family "$out" "$params" qwen3_5_0_8b qwen3_5 qwen3_5_xnnpack_fp32.yaml \
+    anchor_xnnpack_fp32.pte
 # a label not starting with "xnnpack": the summaries' own speed probe sends a 64-token prompt in
 # one call, which a static-shape program refuses; speed_vs_anchor.py below measures both
 "$venv/bin/python" "$root/../shared/bench/anchor_lib.py" summarize qwen3_5_fp32 \

@@ -4,7 +4,8 @@
 #
 # usage: bench/qwen3_vs_anchor.sh OUTDIR
 #   env ANCHOR_VENV: export_llm's venv (default /tmp/edgellm-anchor-venv, as
-#   ../shared/bench/anchor.sh installs it; run that first if it is missing)
+#   ../shared/bench/anchor.sh installs it; run that first if it is missing); SKIP_ANCHOR=1
+#   reuses an earlier export_llm run's program and log
 # OUTDIR/hf (bench/make_checkpoint.py, seed 0, tied) and OUTDIR/anchor.pth (ExecuTorch's qwen3
 # convert_weights) are reused if present. Writes OUTDIR/anchor.jsonl and OUTDIR/edgellm.jsonl,
 # prints the export table (its speed rows: one measurement each, in summarize.py's process), then
@@ -18,17 +19,8 @@ py=${EDGELLM_PYTHON:-$root/.venv/bin/python}
 venv=${ANCHOR_VENV:-/tmp/edgellm-anchor-venv}
 params="$here/params/qwen3_0_6b_config.json"
 mkdir -p "$out"; out=$(cd "$out" && pwd)
-[ -f "$out/hf/config.json" ] || "$py" "$here/make_checkpoint.py" "$params" qwen3_0_6b "$out/hf" --tied
-[ -f "$out/anchor.pth" ] || "$venv/bin/python" -c "
-from executorch.examples.models.qwen3.convert_weights import convert_weights
-convert_weights('$out/hf', '$out/anchor.pth')"
-yaml=$("$venv/bin/python" -c "import os, executorch.examples.models.qwen3 as q
-print(os.path.join(os.path.dirname(q.__file__), 'config', 'qwen3_xnnpack_q8da4w.yaml'))")
-( cd "$out" && /usr/bin/time -v "$venv/bin/python" -m executorch.extension.llm.export.export_llm \
-    --config "$yaml" +base.model_class=qwen3_0_6b +base.params="$params" \
-    +base.checkpoint="$out/anchor.pth" ++export.max_seq_length=512 \
-    ++export.max_context_length=512 +export.output_name=anchor_xnnpack_q8da4w.pte \
-    +debug.verbose=True ) > "$out/anchor.log" 2>&1 || true
+. "$here/anchor_family.sh"
+anchor_family "$out" "$params" qwen3_0_6b qwen3 qwen3_xnnpack_q8da4w.yaml anchor_xnnpack_q8da4w.pte
 "$venv/bin/python" "$root/../shared/bench/anchor_lib.py" summarize xnnpack_q8da4w \
     "$out/anchor.log" "$out/anchor_xnnpack_q8da4w.pte" > "$out/anchor.jsonl"
 # the yaml's recipe: qmode 8da4w (group 128, HQQ scales), embedding_quantize 8,0

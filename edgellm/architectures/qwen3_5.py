@@ -96,7 +96,8 @@ class GatedDeltaNet(CausalConv):
         with torch.device("cpu"):
             self.register_buffer("recurrent_state", torch.zeros(1, self.hv, self.dk, self.dv),
                                  persistent=False)
-            self.register_buffer("state_heads", torch.arange(self.hv), persistent=False)
+            if self.state_write == "index_put":  # Vulkan: the write as one index_put_
+                self.register_buffer("state_heads", torch.arange(self.hv), persistent=False)
             if opts.norm == "linear_mean":  # XNNPACK has no sum: q and k's norms as a linear
                 self.register_buffer("ones_row", torch.ones(1, self.dk), persistent=False)
 
