@@ -135,7 +135,11 @@ def test_coreml_keeps_the_deltanet_state_where_the_policy_says(exported, state):
 
 
 def test_8da4w_applies_and_the_recurrence_stays_float(exported):
-    report = exported("qwen3_5_text", quantize="8da4w", group_size=32, **SIZES)[1]
+    """Verified: the program against the eager quantized model, and both against fp32."""
+    report = exported("qwen3_5_text", quantize="8da4w", group_size=32,
+                      **dict(SIZES, verify=True))[1]
+    checks = {c["level"]: c["passed"] for c in report["verify"]["checks"]}
+    assert checks == {"rewrite": True, "program": True, "quantization": True}
     # 5 in the DeltaNet layer, 5 in the attention one (q, k, v, its gate, o), 2 x 3 MLP, the head
     assert report["quantization"]["linears_quantized"] == 17
     assert report["state"]["dtypes"]["recurrent_state"] == "float32"
