@@ -35,12 +35,13 @@ def verify(target, steps: int = 8) -> dict:
     return run(target, steps=steps)
 
 
-def bench(target, prompt_lengths=(64,), steps: int = 32, repeats: int = 3) -> dict:
+def bench(target, prompt_lengths=(64,), steps: int = 32, repeats: int = 3, depths=()) -> dict:
     """Load time, time to first token, prefill and decode speed, peak RSS and decode against the
-    memory-bandwidth floor measured in the same run, for an exported program on this machine."""
+    memory-bandwidth floor measured in the same run, for an exported program on this machine;
+    `depths`: the same again after a context of each many tokens."""
     from .benchmark import bench as run
 
-    return run(target, prompt_lengths=prompt_lengths, steps=steps, repeats=repeats)
+    return run(target, prompt_lengths=prompt_lengths, steps=steps, repeats=repeats, depths=depths)
 
 
 def generate(pte, prompt: str, n: int = 32, tokenizer=None, on_text=None) -> str:

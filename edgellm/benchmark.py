@@ -46,9 +46,12 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def bench(target, prompt_lengths=(64,), steps: int = 32, repeats: int = 3) -> dict:
+def bench(target, prompt_lengths=(64,), steps: int = 32, repeats: int = 3,
+          depths=()) -> dict:
     """Load time, time to first token, prefill tok/s per prompt length, decode tok/s (median
-    per-token time over `steps` calls, best of `repeats` runs), peak RSS and effective bandwidth."""
+    per-token time over `steps` calls, best of `repeats` runs), peak RSS and effective bandwidth;
+    with `depths`, prefill (of the first prompt length) and decode again after a context of each
+    many tokens, with the floor of the bytes a step reads there (at_depths)."""
     from .memory import peak_rss_mb
     from .runtime import Program, native_logs
 
@@ -61,6 +64,12 @@ def bench(target, prompt_lengths=(64,), steps: int = 32, repeats: int = 3) -> di
         raise InputError(f"Every prompt length in {list(prompt_lengths)} plus {steps} decode "
                          f"steps exceeds max_context_len {program.max_context_len}; give "
                          "shorter --prompt-lengths or fewer --steps.")
+    deep = [d for d in depths if d + lengths[0] + steps > program.max_context_len or d < 0]
+    if deep:
+        raise InputError(f"Depth {deep[0]} plus a {lengths[0]}-token prompt and {steps} decode "
+                         f"steps does not fit max_context_len {program.max_context_len}; give "
+                         f"depths up to {program.max_context_len - lengths[0] - steps}, or "
+                         "export with a larger --max-context-len.")
     vocab = int(program.meta.get("get_vocab_size", 1000))
     g = torch.Generator().manual_seed(0)
     prefill_s: dict[int, float] = {}
@@ -72,7 +81,52 @@ def bench(target, prompt_lengths=(64,), steps: int = 32, repeats: int = 3) -> di
                 prefill_s[n] = min(prefill_s.get(n, float("inf")),
                                    timed(lambda: program.prefill(ids)))
             decode_s = min(decode_s, decode_step(program, lengths[0], steps))
-    return figures(pte, program, load_s, prefill_s, decode_s, peak_rss_mb())
+    rss = peak_rss_mb()
+    deep = at_depths(program, sorted(set(depths)), lengths[0], steps, repeats) if depths else {}
+    out = figures(pte, program, load_s, prefill_s, decode_s, rss)  # (bandwidth: 1 GB of RSS)
+    for row in deep.get("by_depth", {}).values():
+        floor = (out["weight_bytes_per_token"] + row["cache_bytes_read"]) / (
+            out["bandwidth_gbs"] * 1e9)
+        row.update(floor_ms=round(floor * 1e3, 2),
+                   floor_fraction=round(floor * row["decode_tok_s"], 3))
+    return {**out, **deep}
+
+
+def at_depths(program, depths: list[int], n: int, steps: int, repeats: int) -> dict:
+    """Prefill of `n` tokens and decode after a context of each depth (ascending: the context is
+    filled once, each depth continuing the last), best of `repeats`; peak RSS after each (cache
+    pages count once written); and the cache bytes a decode step reads there, for its floor
+    (bench): every layer's cached positions in reach, kv_cache.bytes_per_position times
+    min(depth, slots) from the export report (none where the report does not say)."""
+    from .memory import peak_rss_mb
+    from .runtime import native_logs
+
+    layers = report_of(program.path).get("kv_cache", {}).get("layers", [])
+    g = torch.Generator().manual_seed(1)
+    vocab = int(program.meta.get("get_vocab_size", 1000))
+    rows, filled = {}, 0
+    with native_logs():
+        for d in depths:
+            if d > filled:
+                program.prefill(torch.randint(0, vocab, (d - filled,), generator=g).tolist(),
+                                filled)
+                filled = d
+            ids = torch.randint(0, vocab, (n,), generator=g).tolist()
+            prefill = min(timed(lambda: program.prefill(ids, d)) for _ in range(repeats))
+            decode = min(decode_step(program, d, steps) for _ in range(repeats))
+            cache = sum(r["bytes_per_position"] * min(d, r["slots"]) for r in layers)
+            rows[str(d)] = {"prefill_tok_s": round(n / prefill, 1),
+                            "decode_tok_s": round(1 / decode, 2), "cache_bytes_read": cache,
+                            "peak_rss_mb": round(peak_rss_mb())}
+    return {"depth_prompt_tokens": n, "by_depth": rows,
+            **{f"{k}_by_depth": {d: r[k] for d, r in rows.items()}
+               for k in ("prefill_tok_s", "decode_tok_s", "peak_rss_mb")}}
+
+
+def report_of(pte: Path) -> dict:
+    """The export report beside a program, or {} when there is none."""
+    report = pte.parent / "report.json"
+    return json.loads(report.read_text()) if report.is_file() else {}
 
 
 def decode_step(program, start: int, steps: int) -> float:
@@ -85,11 +139,7 @@ def decode_step(program, start: int, steps: int) -> float:
 
 
 def figures(pte: Path, program, load_s, prefill_s, decode_s, rss) -> dict:
-    report = pte.parent / "report.json"
-    weights = None
-    if report.is_file():
-        weights = json.loads(report.read_text()).get("weight_bytes_per_token")
-    weights = weights or pte.stat().st_size
+    weights = report_of(pte).get("weight_bytes_per_token") or pte.stat().st_size
     bw = bandwidth_gbs()
     floor_s = weights / (bw * 1e9)
     first = min(prefill_s)
@@ -116,6 +166,10 @@ def table(r: dict) -> str:
              ("decode floor", f"{r['floor_ms']} ms/token; decode at {r['floor_fraction']:.0%} "
                               "of the floor"),
              ("peak RSS", f"{r['peak_rss_mb']} MB"),
+             *[(f"at depth {d}", f"prefill {x['prefill_tok_s']} tok/s ({r['depth_prompt_tokens']}"
+                f" tokens), decode {x['decode_tok_s']} tok/s, {x['floor_fraction']:.0%} of the "
+                f"floor ({x['cache_bytes_read'] / 1e6:.1f} MB of cache read), peak RSS "
+                f"{x['peak_rss_mb']} MB") for d, x in r.get("by_depth", {}).items()],
              ("OMP_NUM_THREADS", r.get("omp_num_threads") or "unset (OpenMP's default)")]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

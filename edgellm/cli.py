@@ -146,7 +146,12 @@ def cmd_bench(a) -> int:
     except ValueError:
         raise_input(f"--prompt-lengths takes integers separated by commas, got "
                     f"{a.prompt_lengths!r}")
-    result = bench(a.target, prompt_lengths=lengths, steps=a.steps, repeats=a.repeats)
+    try:
+        depths = [int(n) for n in a.depth.split(",") if n.strip()] if a.depth else []
+    except ValueError:
+        raise_input(f"--depth takes integers separated by commas, got {a.depth!r}")
+    result = bench(a.target, prompt_lengths=lengths, steps=a.steps, repeats=a.repeats,
+                   depths=depths)
     print(table(result))
     print(json.dumps(result))
     return 0
@@ -182,6 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated prompt lengths for prefill (default 64)")
     b.add_argument("--steps", type=int, default=32, help="decode steps per run (default 32)")
     b.add_argument("--repeats", type=int, default=3, help="runs; the best is kept (default 3)")
+    b.add_argument("--depth", help="comma-separated context depths, e.g. 0,1024,4096: prefill "
+                                   "and decode measured again after that many tokens")
     c = sub.add_parser("compare", help="two exports side by side: delegation and per-op deltas")
     c.add_argument("a", metavar="A", help="export folder or its report.json")
     c.add_argument("b", metavar="B", help="export folder or its report.json")

@@ -24,6 +24,7 @@ import yaml
 from .errors import ConfigError
 
 DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}  # name -> torch's
+KV_CACHES = ("int8",)  # cache dtypes besides the model's own
 
 
 def torch_dtype(name: str):
@@ -63,6 +64,9 @@ class ExportConfig:
                                     "Q4_0/Q4_1/Q4_K GGUF, whose grid it keeps)")
     embedding_quantize: str | None = option(None, "quantize embedding tables: 8 or 4 bits, e.g. "
                                             "8 or 4,32", metavar="BITS[,GROUP]")
+    kv_cache: str | None = option(None, "KV cache dtype: int8 (per token and head, ExecuTorch's "
+                                  "quantized cache; xnnpack, portable); default the model's "
+                                  "dtype", choices=KV_CACHES)
     etrecord: bool = option(False, "also write etrecord.bin for ExecuTorch's devtools")
     verify: bool = option(True, "skip checking the program against the checkpoint after export",
                           flag="--no-verify")
@@ -164,7 +168,7 @@ def build_dataclass(cls, data: Mapping[str, Any], prefix: str, problems: list[st
 
 def from_dict(data: Mapping[str, Any]) -> ExportConfig:
     """Validate a config mapping (from YAML and overrides) into an ExportConfig."""
-    from .backends import BACKENDS, check_chain
+    from .backends import BACKENDS, check_chain, kv_cache_problems
     from .quantize.recipes import problems as recipe_problems
 
     if not isinstance(data, Mapping):
@@ -189,6 +193,8 @@ def from_dict(data: Mapping[str, Any]) -> ExportConfig:
         chain = [BACKENDS[n] for n in cfg.backends if n in BACKENDS]
         problems.extend(recipe_problems(cfg, chain, list(BACKENDS.values())))
         problems.extend(check_chain(cfg.backends))
+        if cfg.kv_cache in KV_CACHES:
+            problems.extend(kv_cache_problems(cfg.kv_cache, chain, list(BACKENDS.values())))
         for name in cfg.backends:
             backend, opts = BACKENDS.get(name), options.get(name)
             if backend and backend.config_problems and not problems:
@@ -206,6 +212,9 @@ def _problems(cfg: ExportConfig) -> list[str]:
     out = []
     if cfg.dtype not in DTYPES:
         out.append(f"dtype: '{cfg.dtype}' is not one of {', '.join(DTYPES)}")
+    if cfg.kv_cache is not None and cfg.kv_cache not in KV_CACHES:
+        out.append(f"kv_cache: '{cfg.kv_cache}' is not one of {', '.join(KV_CACHES)} (leave it "
+                   "unset for caches in the model's dtype)")
     if cfg.params is not None and (cfg.model is None or str(cfg.model).endswith(".gguf")):
         out.append("params: an ExecuTorch params JSON describes a .pth checkpoint (or is checked "
                    f"against a Hugging Face folder), but model is {cfg.model!r}; a GGUF carries "

@@ -26,13 +26,14 @@ class Eager:
     quantized: object | None  # quantize.apply.Quantized, None without a recipe
     weight_bytes: int  # of weights one decode step reads
     state: dict  # what the program keeps between calls, per layer (layers.state_report)
+    kv_cache: dict  # the KV caches alone (layers.kv_cache_report)
 
 
 def eager_model(cfg: ExportConfig, plan, stages: Stages,
                 made: Callable[[str, object], None] = lambda stage, product: None) -> Eager:
     """Load, build and quantize as `cfg` and the backends' `plan` ask, one timed stage each."""
     from .architectures import build_model
-    from .architectures.layers import state_report, weight_bytes
+    from .architectures.layers import kv_cache_report, state_report, weight_bytes
     from .sources import load_source
 
     with stages.stage("load"):
@@ -67,4 +68,4 @@ def eager_model(cfg: ExportConfig, plan, stages: Stages,
         for line in [] if stages.quiet else done.notes():
             print(line, file=sys.stderr, flush=True)
         made("quantize", model)
-    return Eager(source, model, done, weights, state_report(model))
+    return Eager(source, model, done, weights, state_report(model), kv_cache_report(model))

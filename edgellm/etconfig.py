@@ -87,6 +87,9 @@ def _field(name: str, value, out: dict, problems: list[str]) -> None:
         if value not in (honoured, None):
             problems.append(f"{name}: {value!r} is not supported; {reason} ({name}: "
                             f"{str(honoured).lower()})")
+    elif name == "model.quantize_kv_cache":  # the same int8 cache, through the same ops
+        if value:
+            out["kv_cache"] = "int8"
     elif name == "base.metadata":
         _metadata(name, value, out, problems)
     elif name.startswith("quantization.") and value is not None:

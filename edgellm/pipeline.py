@@ -121,6 +121,7 @@ def export(cfg: ExportConfig, quiet: bool = False) -> dict:
 
         eager = eager_model(cfg, plan, stages, made)
         source, done = eager.source, eager.quantized
+        plan, settled = plan.settled(cfg, eager.state["bytes"], eager.weight_bytes)
         with stages.stage("export"):
             programs = export_methods(eager.model, cfg.max_seq_len, plan.dynamic_shapes,
                                       cfg.prefill_chunk)
@@ -154,7 +155,7 @@ def export(cfg: ExportConfig, quiet: bool = False) -> dict:
         pte_bytes = (tmp / "model.pte").stat().st_size
         rep = build_report(cfg, plan, source, lowered, stages, (files, pte_bytes))
         rep["delegates"], rep["weight_bytes_per_token"] = delegates, eager.weight_bytes
-        rep["state"] = eager.state
+        rep["state"], rep["kv_cache"] = eager.state, {**eager.kv_cache, **settled}
         rep["patches"] = {**(done.patches if done else {}), **applied}
         if done:
             rep["quantization"] = done.report()

@@ -95,6 +95,18 @@ def _dtypes(state: dict) -> str:
     return f" ({', '.join(f'{k} {v}' for k, v in kinds.items())})" if kinds else ""
 
 
+def _kv_cache_lines(kv: dict | None) -> list[str]:
+    """The KV cache's line, and each backend's state policy with its reason where one was
+    settled (Core ML's)."""
+    if not kv or not kv.get("layers"):
+        return []
+    lines = [f"- KV cache: {kv['dtype']}, {kv['bytes'] / 1e6:.2f} MB in {len(kv['layers'])} "
+             f"layers, {kv['bytes_per_position'] / 1e3:.1f} kB per position"]
+    lines += [f"- {name} state: {e['state_policy']} ({e['reason']})"
+              for name, e in kv.items() if isinstance(e, dict) and "state_policy" in e]
+    return lines
+
+
 def markdown(r: dict) -> str:
     lines = [f"# edgellm export: {r['model']['origin']}", "",
              f"- backends: {', '.join(r['backends'])}",
@@ -106,6 +118,7 @@ def markdown(r: dict) -> str:
              *([f"- state between calls (KV caches, ring buffers, conv and recurrent states): "
                 f"{r['state']['bytes'] / 1e6:.2f} MB{_dtypes(r['state'])}"]
                if "state" in r else []),
+             *_kv_cache_lines(r.get("kv_cache")),
              f"- deprecation warnings while lowering: {r['deprecation_warnings']}", ""]
     lines += ["| method | subgraphs | delegated nodes | non-delegated | non-delegated compute |",
               "|---|---|---|---|---|"]

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from .architectures.layers import float_caches
 from .errors import InputError, VerificationError
 
 # (minimum SQNR dB, minimum top-1 agreement) per what is compared
@@ -174,12 +175,13 @@ class Verification:
     def __init__(self, cfg, plan, stages, steps: int = 8):
         self.cfg, self.plan, self.stages = cfg, plan, stages
         self.steps = max(1, min(steps, cfg.context_len // 2))  # prompt and steps fit the cache
-        self.quantized = bool(cfg.quantize or cfg.embedding_quantize)
+        self.weights_quantized = bool(cfg.quantize or cfg.embedding_quantize)
+        self.quantized = self.weights_quantized or cfg.kv_cache is not None
         self.limits = THRESHOLDS["quantized" if self.quantized else cfg.dtype]
         self.stand_in_needed = not all(b.runs_here for b in plan.backends)
         self.source = self.text = self.cases = self.ref = self.ref_text = None
         self.checks, self.expected, self.candidate, self.result = [], None, None, None
-        self.expected_text = None
+        self.expected_text = self.cache_rows = None
 
     def take(self, stage: str, product) -> None:
         """A stage's product, as it is made (by eager.eager_model and the export job)."""
@@ -190,9 +192,7 @@ class Verification:
                 self._reference(product)
         elif stage == "quantize":
             with self.stages.stage("expected"):
-                self.expected = self.collect_eager(product)
-                if self.text:  # the kernel-rounding rule's rows beyond the prompts' few
-                    self.expected_text = self.collect_eager(product, [([], self.text)])[0]
+                self._expect(product)
         elif stage == "export" and self.stand_in_needed:
             with self.stages.stage("graph"):
                 self._stand_in(product["forward"])
@@ -217,17 +217,33 @@ class Verification:
         del reference, runs
         release_memory()  # transformers' modules hold cycles too
         if cfg.dtype == "fp32":
-            actual = self.collect_eager(model)
+            with float_caches(model):  # the rewrite's math; an int8 cache is a recipe
+                actual = self.collect_eager(model)
         else:
             opts = self.plan.model_options(cfg, source.stored_types)
             fp32 = build_model(source.hf_config, source.state_dict, opts, torch.float32)
-            actual = self.collect_eager(fp32)
+            with float_caches(fp32):
+                actual = self.collect_eager(fp32)
             del fp32
             release_memory()
         self.checks = [measure("rewrite", actual, self.ref, THRESHOLDS["fp32"])]
-        if not self.quantized:  # the program is built as this model was
-            self.expected = actual if cfg.dtype == "fp32" else self.collect_eager(model)
+        if cfg.kv_cache:  # the cache's own cost, on the model before any weight recipe
+            text = [([], self.text)] if self.text else None
+            with float_caches(model):
+                floats = self.collect_eager(model, text)
+            self.cache_rows = (self.collect_eager(model, text), floats)
+        if not self.weights_quantized:  # the program is built as this model was
+            if cfg.dtype == "fp32" and not cfg.kv_cache:
+                self.expected = actual
+            else:
+                self._expect(model)
         self.source = None
+
+    def _expect(self, model) -> None:
+        """What the program must match: the model as it is built and quantized."""
+        self.expected = self.collect_eager(model)
+        if self.text:  # the kernel-rounding rule's rows beyond the prompts' few
+            self.expected_text = self.collect_eager(model, [([], self.text)])[0]
 
     def collect(self, forward, prefill) -> list:
         """Logits along every case, the prompt in one call and then a token per call, as the
@@ -294,6 +310,8 @@ class Verification:
             on = ((f"along {len(self.text)} tokens of {TEXT.name}", [text_logits],
                    [self.ref_text]) if self.text else ("on the prompts", actual, self.ref))
             checks.append(recipe_cost(cfg, level, *on))
+        if cfg.kv_cache:
+            checks.append(cache_cost(cfg, on[0], *self.cache_rows))
         result = {"passed": all(c.passed for c in checks), "steps": self.steps,
                   "prompts": [len(p) for p, _ in self.cases],
                   "checks": [asdict(c) for c in checks]}
@@ -304,6 +322,11 @@ class Verification:
                 "transformers_fp32": round(perplexity(self.ref_text, self.text), 4),
                 level.replace(" ", "_"): round(perplexity(text_logits, self.text), 4),
                 "top1_vs_fp32": round(float(agree), 4)}
+            if cfg.kv_cache:  # the model before its weight recipe, with and without it
+                int8, floats = (rows[0] for rows in self.cache_rows)
+                result["perplexity"].update({
+                    f"model_{cfg.dtype}_caches": round(perplexity(floats, self.text), 4),
+                    f"model_{cfg.kv_cache}_caches": round(perplexity(int8, self.text), 4)})
         return result
 
 
@@ -343,9 +366,24 @@ def recipe_cost(cfg, level: str, on: str, actual: list, reference: list) -> Chec
     from .quantize import accuracy_bounds
 
     recipe = "+".join(filter(None, [cfg.quantize, cfg.embedding_quantize and
-                                    f"embeddings {cfg.embedding_quantize}"]))
+                                    f"embeddings {cfg.embedding_quantize}",
+                                    cfg.kv_cache and f"{cfg.kv_cache} KV cache"]))
     return measure("quantization", actual, reference, accuracy_bounds(cfg),
                    note=f"{recipe}: the {level} against transformers in fp32, {on}")
+
+
+def cache_cost(cfg, on: str, actual: list, float_cache: list) -> Check:
+    """The KV cache check: edgellm's eager model before any weight recipe, with the cache dtype
+    against itself with float caches, within the cache dtype's bounds: the cache's own cost.
+    (Measured after a recipe of dynamically quantized activations it would be that recipe's
+    amplification of any small change: on the embedded SmolLM2's 8da4w, XNNPACK's rounding alone
+    moves the program as far from its eager model. The quantization check gives both together,
+    against fp32.)"""
+    from .quantize.recipes import KV_CACHE_BOUNDS
+
+    return measure("kv cache", actual, float_cache, KV_CACHE_BOUNDS[cfg.kv_cache],
+                   note=f"{cfg.kv_cache} KV cache: the {cfg.dtype} model against itself with "
+                        f"{cfg.dtype} caches, before any weight recipe, {on}")
 
 
 def text_tokens(tokenizer, limit: int) -> list[int] | None:

@@ -163,6 +163,8 @@ def test_fields_edgellm_cannot_honour_are_refused_by_name(change, match):
     ({"quantization": {"qmode": "8da4w", "group_size": 32, "embedding_quantize": "4,32"}},
      {"quantize": "8da4w", "group_size": 32, "embedding_quantize": "4,32"}),
     ({"quantization": {"qmode": "int8"}}, {"quantize": "8w"}),
+    ({"model": {"quantize_kv_cache": True}}, {"kv_cache": "int8"}),
+    ({"model": {"quantize_kv_cache": False}}, {}),
     ({"backend": {"coreml": {"enabled": True, "quantize": "b4w"}}},
      {"quantize": "4w", "group_size": 32, "backends": ["coreml"]}),
     ({"backend": {"coreml": {"enabled": True, "quantize": "c4w"}}},
@@ -174,7 +176,7 @@ def test_quantization_fields_map_onto_recipes(data, expected):
 
 def test_every_problem_is_reported_at_once():
     with pytest.raises(edgellm.ConfigError) as e:
-        translate({"model": {"use_kv_cache": False, "quantize_kv_cache": True},
+        translate({"model": {"use_kv_cache": False, "use_shared_embedding": True},
                    "backend": {"vulkan": {"enabled": True, "force_fp16": True}}})
     assert len(e.value.problems) == 3, e.value.problems
 

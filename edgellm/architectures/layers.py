@@ -42,6 +42,7 @@ class ModelOptions:
     # gated DeltaNet's recurrence over a call's tokens (Qwen3.5): "op", ExecuTorch's
     # llama::gated_delta_rule (any T); "loop", token by token in plain ops (T fixed)
     delta_rule: str = "loop"
+    kv_cache: str | None = None  # None: caches in the model's dtype; "int8": quantized (KVCache)
 
 
 @dataclass
@@ -317,15 +318,27 @@ class KVCache(nn.Module):
         self.n_heads, self.n_kv, self.head_dim = n_heads, n_kv, head_dim
         self.mode, self.ctx, self.scale = opts.attention, ring_slots(window, opts), scale
         self.window = window if window is not None and window < opts.max_context_len else None
+        self.dtype, self.int8 = dtype, opts.kv_cache == "int8"
         if self.mode == "custom_ops":
             import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401  registers llama::
         shape = ((1, self.ctx, n_kv, head_dim) if self.mode == "custom_ops"
                  else (1, n_kv, self.ctx, head_dim))
-        self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype), persistent=False)
-        self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype), persistent=False)
+        store = torch.int8 if self.int8 else dtype
+        self.register_buffer("k_cache", torch.zeros(shape, dtype=store), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(shape, dtype=store), persistent=False)
+        if self.int8:  # per (token, head) row: a float32 scale and an int8 zero point
+            if self.mode != "custom_ops":
+                raise ValueError("an int8 KV cache is written with ExecuTorch's custom ops only")
+            import executorch.kernels.quantized  # noqa: F401  quantized_decomposed:: out variants
+            for name in INT8_CACHE:
+                self.register_buffer(name, torch.zeros(
+                    (*shape[:3], 1), dtype=torch.float32 if name.endswith("scales") else
+                    torch.int8), persistent=False)
 
     def forward(self, q, k, v, step: Step) -> torch.Tensor:
         """q, k and v from split_heads -> attention output (1, T, H*D)."""
+        if self.int8:
+            return self._int8(q, k, v, step)
         if self.window is not None:
             return self._windowed(q, k, v, step)
         if self.mode == "custom_ops":  # (1, T, heads, D)
@@ -342,6 +355,30 @@ class KVCache(nn.Module):
             self.k_cache.narrow(2, step.start_int, k.shape[2]).copy_(k)
             self.v_cache.narrow(2, step.start_int, v.shape[2]).copy_(v)
         return self._grouped_sdpa(q, step, step.mask)
+
+    def _int8(self, q, k, v, step: Step) -> torch.Tensor:
+        """ExecuTorch's int8 cache (export_llm's quantize_kv_cache): k and v quantized per (token,
+        head) row as they are written (values, scales and zero points: three writes per cache),
+        the query quantized the same way, and llama::custom_quantized_sdpa over the int8 cache.
+        A ring (sliding window) writes at its slots and attends through the ring mask."""
+        mask = index = None
+        if self.window is not None:
+            index = (step.positions % self.ctx)[None, :]  # (1, T) distinct slots
+            mask = step.ring_mask(self.ctx, self.window).float()
+        for x, name in ((k, "k"), (v, "v")):
+            for part, buffer in zip(quantize_rows(x), (f"{name}_cache", f"{name}_cache_scales",
+                                                       f"{name}_cache_zero_points")):
+                if index is None:
+                    torch.ops.llama.update_cache(part, getattr(self, buffer), step.start_int)
+                else:
+                    torch.ops.llama.update_cache_with_indices(part, getattr(self, buffer), 0,
+                                                              index)
+        q8, q_scales, q_zeros = quantize_rows(q)
+        out = torch.ops.llama.custom_quantized_sdpa(
+            q8, self.k_cache, self.v_cache, 0 if mask is not None else step.start_int, mask, 0.0,
+            mask is None, self.scale, q_zeros, q_scales, self.k_cache_zero_points,
+            self.k_cache_scales, self.v_cache_zero_points, self.v_cache_scales)
+        return out.to(q.dtype).view(1, -1, self.n_heads * self.head_dim)
 
     def _windowed(self, q, k, v, step: Step) -> torch.Tensor:
         slots = step.positions % self.ctx  # (T,): T <= max_call_len <= ring, so all distinct
@@ -386,6 +423,39 @@ class KVCache(nn.Module):
         # (1, n_kv, n_rep*T, D) -> (1, n_kv, n_rep, T, D) -> (1, T, H*D)
         out = out.view(1, self.n_kv, n_rep, T, self.head_dim).permute(0, 3, 1, 2, 4)
         return merge_heads(out, n_rep).reshape(1, T, -1)
+
+
+# an int8 KV cache's buffers beside k_cache and v_cache: one per (token, head) row
+INT8_CACHE = ("k_cache_scales", "k_cache_zero_points", "v_cache_scales", "v_cache_zero_points")
+
+
+def quantize_rows(x: torch.Tensor) -> tuple:
+    """x (..., D) -> int8 values (..., D), float32 scales and int8 zero points (..., 1): asymmetric,
+    one scale per row (per token and head), ExecuTorch's quantized_decomposed per-token ops."""
+    x = x.float()
+    scales, zeros = torch.ops.quantized_decomposed.choose_qparams_per_token_asymmetric.default(
+        x, torch.int8)
+    values = torch.ops.quantized_decomposed.quantize_per_token(x, scales, zeros, -128, 127,
+                                                               torch.int8)
+    return values, scales.to(torch.float32), zeros.to(torch.int8)
+
+
+@contextlib.contextmanager
+def float_caches(lm: nn.Module):
+    """While inside, the eager model `lm`'s int8 KV caches are float caches of the model's dtype,
+    zeroed: the model an int8-cache program is measured against (the cache's own cost). The int8
+    buffers come back on exit; nothing of this reaches an export."""
+    caches = [m for m in lm.modules() if isinstance(m, KVCache) and m.int8]
+    saved = [(m.k_cache, m.v_cache) for m in caches]
+    for m in caches:
+        m.int8 = False
+        m.k_cache = torch.zeros(m.k_cache.shape, dtype=m.dtype)
+        m.v_cache = torch.zeros(m.v_cache.shape, dtype=m.dtype)
+    try:
+        yield lm
+    finally:
+        for m, (k, v) in zip(caches, saved):
+            m.int8, m.k_cache, m.v_cache = True, k, v
 
 
 def merge_heads(out: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -437,7 +507,7 @@ def weight_bytes(lm: nn.Module) -> int:
 
 
 # the buffers a program keeps between calls
-STATE = ("k_cache", "v_cache", "conv_state", "recurrent_state")
+STATE = ("k_cache", "v_cache", *INT8_CACHE, "conv_state", "recurrent_state")
 
 
 def state_report(lm: nn.Module) -> dict:
@@ -455,6 +525,28 @@ def state_report(lm: nn.Module) -> dict:
                        **{k: list(b.shape) for k, b in buffers.items()},
                        "bytes": sum(b.numel() * b.element_size() for b in buffers.values())})
     return {"layers": layers, "bytes": sum(row["bytes"] for row in layers), "dtypes": dtypes}
+
+
+def kv_cache_report(lm: nn.Module) -> dict:
+    """The KV caches alone: their dtype, bytes in all, bytes per cached position (every layer's
+    keys and values of one position, scales included), and per attention layer its slots (the
+    context, or a ring's length), window and buffer shapes. A decode step at depth d reads
+    bytes_per_position times min(d, slots) of each layer (benchmark.py's floor)."""
+    layers = []
+    for i, layer in enumerate(lm.model.layers):
+        cache = next((m for m in layer.modules() if isinstance(m, KVCache)), None)
+        if cache is None:  # a conv or DeltaNet layer: its state is a fixed size, not a cache
+            continue
+        kinds = ("k_cache", "v_cache", *INT8_CACHE)
+        buffers = {n: b for n, b in cache.named_buffers() if n in kinds}
+        size = sum(b.numel() * b.element_size() for b in buffers.values())
+        layers.append({"layer": i, "slots": cache.ctx, "window": cache.window,
+                       **{n: list(b.shape) for n, b in buffers.items()}, "bytes": size,
+                       "bytes_per_position": size // cache.ctx})
+    dtype = next((str(c.k_cache.dtype).removeprefix("torch.") for c in lm.modules()
+                  if isinstance(c, KVCache)), None)
+    return {"dtype": dtype, "bytes": sum(r["bytes"] for r in layers),
+            "bytes_per_position": sum(r["bytes_per_position"] for r in layers), "layers": layers}
 
 
 def separate_tied_head(lm: nn.Module) -> None:

@@ -16,7 +16,7 @@ from ..errors import InputError
 from .base import Backend, NoOptions
 
 __all__ = ["BACKENDS", "NOT_HERE", "Backend", "NoOptions", "Plan", "check_chain", "get_backend",
-           "plan_for"]
+           "kv_cache_problems", "plan_for"]
 
 
 def _registry() -> dict[str, Backend]:
@@ -62,6 +62,17 @@ def check_chain(names) -> list[str]:
     return out
 
 
+def kv_cache_problems(dtype: str | None, chain: list[Backend], every: list[Backend]) -> list[str]:
+    """A KV cache dtype the chain's first backend (which writes the model) has no kernels for."""
+    first = chain[0] if chain else None
+    if dtype is None or first is None or isinstance(first.kv_caches.get(dtype), dict):
+        return []
+    why = first.kv_caches.get(dtype) or f"{first.name} has no kernels for it"
+    able = ", ".join(b.name for b in every if isinstance(b.kv_caches.get(dtype), dict))
+    return [f"kv_cache: {dtype} on {first.name}: {why}. Backends with an {dtype} KV cache: "
+            f"{able}; or leave kv_cache unset for caches in the model's dtype"]
+
+
 @dataclass(frozen=True)
 class Plan:
     """What a chain of backends asks of the model and the exporter."""
@@ -83,10 +94,22 @@ class Plan:
         from ..quantize.plan import keeps_source_grids
 
         writing = dict(self.backends[0].writing)
+        if cfg.kv_cache:
+            writing.update(self.backends[0].kv_caches[cfg.kv_cache], kv_cache=cfg.kv_cache)
         if keeps_source_grids(cfg, stored):
             writing["fold_norms"] = writing["fuse_qk"] = False
         return ModelOptions(max_context_len=cfg.context_len,
                             max_call_len=max(cfg.max_seq_len, cfg.prefill_chunk), **writing)
+
+    def settled(self, cfg, state_bytes: int, weight_bytes: int) -> tuple["Plan", dict]:
+        """The plan with every backend's options settled on the built model (Backend.settle),
+        and what each backend reports about it, by backend name."""
+        options, entries = [], {}
+        for b, o in zip(self.backends, self.options):
+            if b.settle is not None:
+                o, entries[b.name] = b.settle(cfg, o, state_bytes, weight_bytes)
+            options.append(o)
+        return Plan(self.backends, tuple(options)), entries
 
     @property
     def patches(self) -> tuple[str, ...]:

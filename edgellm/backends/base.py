@@ -37,6 +37,9 @@ class Backend:
     recipes: tuple[str, ...] = ()
     refuses: dict = field(default_factory=dict)
     quantized_embeddings: bool = False
+    # KV cache dtypes besides the model's (config.KV_CACHES) as the first backend of a chain:
+    # dtype -> `writing` fields that change with it (it has kernels), or the reason it has none
+    kv_caches: dict = field(default_factory=dict)
     # Chains: False for a backend that delegates nothing (it cannot be chained); why it must
     # come last when it must ("what <the backends after it> would see").
     delegates: bool = True
@@ -51,6 +54,9 @@ class Backend:
     # (ExportConfig, options) -> problems with the export as a whole, e.g. options that
     # contradict the config's other fields
     config_problems: Callable | None = None
+    # (ExportConfig, options, state bytes, weight bytes) -> (options, report entry): options
+    # that depend on the built model (Core ML's `state: auto`), settled before lowering
+    settle: Callable | None = None
     # (written .pte) -> None: rewrites the file in place, keeping its length, before it is read
     finish_program: Callable | None = None
 

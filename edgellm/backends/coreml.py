@@ -1,9 +1,11 @@
 """Core ML, for Apple devices. Static shapes (T=1); attention as ATen SDPA.
 
-Where state lives is a policy, not an accident: with `state: io` (the default) KV caches and conv
-states stay ExecuTorch mutable buffers and the delegate takes and returns them, which is what
+Where state lives is a policy, not an accident: with `state: io` KV caches and conv states stay
+ExecuTorch mutable buffers and the delegate takes and returns them on every call, which is what
 ExecuTorch's open-source Core ML runtime executes; `state: coreml` turns every mutable buffer into a
-Core ML state (iOS 18+) for apps whose runtime binds states. See pytorch/executorch #21855.
+Core ML state (iOS 18+) for apps whose runtime binds states (see pytorch/executorch #21855).
+`state: auto` (the default) settles on one by what `io` moves per decode call at the exported
+context (`settle`), and the report says which and why.
 
 What a written program's Core ML payloads hold, and the rewrite that makes them repeatable, is
 coreml_payload.py; lowering runs with edgellm's Core ML patches (edgellm/patches/coreml.py).
@@ -19,7 +21,7 @@ from .base import Backend
 COMPUTE_UNITS = ("cpu_only", "cpu_and_gpu", "cpu_and_ne", "all")
 PRECISIONS = ("fp16", "fp32")
 MIN_IOS = (17, 18)
-STATES = ("io", "coreml")
+STATES = ("auto", "io", "coreml")
 
 
 @dataclass(frozen=True)
@@ -27,7 +29,7 @@ class CoreMLOptions:
     min_ios: int = 18
     compute_units: str = "cpu_and_ne"
     precision: str = "fp16"
-    state: str = "io"
+    state: str = "auto"
 
     def problems(self) -> list[str]:
         out = []
@@ -50,6 +52,37 @@ def config_problems(cfg, options: CoreMLOptions) -> list[str]:
                    "method's delegate, so prefill and forward would not share the cache. Use "
                    "coreml.state: io (the default) or prefill_chunk: 0")
     return out
+
+
+def settle(cfg, options: CoreMLOptions, state_bytes: int, weight_bytes: int) -> tuple:
+    """`state: auto` made io or coreml, and what each policy moves in and out of the delegate per
+    decode call: under io every mutable buffer (`state_bytes`) enters and leaves, under coreml
+    none. Auto keeps io (which every ExecuTorch Core ML runtime executes) unless those copies
+    exceed the weights a decode step reads (`weight_bytes`): past that, at long contexts, io would
+    more than double a step's memory traffic. Returns (options, report entry)."""
+    from dataclasses import replace
+
+    moved = {"io": {"in": state_bytes, "out": state_bytes}, "coreml": {"in": 0, "out": 0}}
+    mb = f"{2 * state_bytes / 1e6:.1f} MB in and out per decode call"
+    if options.state != "auto":
+        policy, why = options.state, "asked for (coreml.state)"
+    elif cfg.prefill_chunk:
+        policy, why = "io", ("prefill_chunk: prefill and forward share their caches only as "
+                             "ExecuTorch buffers")
+    elif options.min_ios < 18:
+        policy, why = "io", "Core ML states need min_ios 18"
+    elif 2 * state_bytes > weight_bytes:
+        policy, why = "coreml", (f"io would move {mb}, more than the {weight_bytes / 1e6:.1f} MB "
+                                 "of weights a step reads; the caches stay inside Core ML. It "
+                                 "needs a runtime that binds Core ML states (ExecuTorch's pip "
+                                 "runtime does not, pytorch/executorch#21855); coreml.state=io "
+                                 "keeps them ExecuTorch buffers")
+    else:
+        policy, why = "io", (f"io moves {mb}, {2 * state_bytes / weight_bytes:.0%} of the "
+                             f"{weight_bytes / 1e6:.1f} MB of weights a step reads; io runs on "
+                             "every ExecuTorch Core ML runtime")
+    return replace(options, state=policy), {"bytes_per_decode_call": moved,
+                                            "state_policy": policy, "reason": why}
 
 
 def _weights_before_ios18(cfg, min_ios: int) -> list[str]:
@@ -153,9 +186,14 @@ BACKEND = Backend(
     requires=("coremltools", "executorch.backends.apple.coreml"),
     recipes=("4w", "8w"),
     quantized_embeddings=True,
+    kv_caches={"int8": "ExecuTorch's int8 cache is read by llama::custom_quantized_sdpa, a CPU "
+                       "kernel that coremltools cannot convert, and Core ML has no int8 "
+                       "attention; its caches are fp16 (precision) and `coreml.state: coreml` "
+                       "keeps them inside Core ML"},
     patches=("coreml",),
     from_executorch=_from_executorch,
     inspect_delegates=_inspect,
     config_problems=config_problems,
+    settle=settle,
     finish_program=_finish,
 )

@@ -9,5 +9,7 @@ BACKEND = Backend(
     make_partitioners=lambda options: [],
     writing={"attention": "sdpa", "norm": "mean", "delta_rule": "op"},
     quantized_embeddings=True,  # ExecuTorch's quantized_decomposed embedding kernels
+    # the int8 cache exists only as ExecuTorch's llama:: ops (portable kernels themselves)
+    kv_caches={"int8": {"attention": "custom_ops"}},
     delegates=False,
 )

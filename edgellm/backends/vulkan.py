@@ -23,6 +23,9 @@ BACKEND = Backend(
     # state written by copy_ then loses its buffer (SpecViolationError). index_put_ stays outside.
     writing={"attention": "sdpa", "norm": "mean", "state_write": "index_put"},
     requires=("executorch.backends.vulkan.partitioner",),
+    kv_caches={"int8": "ExecuTorch's Vulkan delegate registers llama::custom_sdpa over float "
+                       "caches but no llama::custom_quantized_sdpa; the int8 attention would run "
+                       "on the CPU, outside the GPU"},
     patches=("vulkan",),
     from_executorch=lambda fields: ({}, {}, []),  # export_llm's backend.vulkan has no options
 )

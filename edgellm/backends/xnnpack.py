@@ -43,6 +43,9 @@ BACKEND = Backend(
     refuses={"4w": f"{WRONG_WEIGHT_ONLY}; use 8da4w on xnnpack",
              "8w": f"{WRONG_WEIGHT_ONLY}; use 8da8w on xnnpack"},
     quantized_embeddings=True,
+    # ExecuTorch's quantized cache: llama::update_cache and llama::custom_quantized_sdpa, CPU
+    # kernels beside the delegate like custom_sdpa
+    kv_caches={"int8": {}},
     goes_last="XNNPACK leaves, ExecuTorch's llama:: custom ops it cannot run; XNNPACK is the "
               "CPU fallback",
     patches=("xnnpack",),

@@ -39,6 +39,8 @@ HQQ = "hqq_scale_only"  # every recipe's scale search, as export_llm's (its `use
 EMBEDDING_DEFAULT_GROUP = {8: 0, 4: 32}
 # bounds of an embedding recipe alone, and the margin a combined recipe loses
 EMBEDDING_BOUNDS = {8: (30.0, 0.9), 4: (15.0, 0.7)}
+# bounds of a KV cache dtype alone (config.KV_CACHES), against the program with float caches
+KV_CACHE_BOUNDS = {"int8": (30.0, 0.9)}
 
 
 def parse_embedding(text) -> tuple[int, int]:
@@ -108,8 +110,9 @@ def _chain_problems(name: str, chain, every) -> list[str]:
 
 def accuracy_bounds(cfg) -> tuple[float, float]:
     """(min SQNR dB, min top-1) the quantized program must reach against the float model: the
-    looser of the linear and embedding recipes' bounds, 3 dB and 0.05 looser when both apply."""
-    bounds = []
+    looser of the linear, embedding and KV cache recipes' bounds, 3 dB and 0.05 looser when more
+    than one applies."""
+    bounds = [KV_CACHE_BOUNDS[cfg.kv_cache]] if cfg.kv_cache else []
     if cfg.quantize:
         bounds.append(RECIPES[cfg.quantize].bounds)
     if cfg.embedding_quantize:
