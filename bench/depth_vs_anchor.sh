@@ -17,20 +17,24 @@ venv=${ANCHOR_VENV:-/tmp/edgellm-anchor-venv}
   "$venv/bin/pip" install -q torch==2.13.0 executorch==1.5.1 safetensors transformers; }
 ctx=4096 group=32
 
-# the GGUF dequantized by transformers' GGUF loader (which undoes llama.cpp's q/k permutation);
-# export_llm reads it as a Meta checkpoint in HF rotary order (use_hf_rope), names as ExecuTorch's
-# smollm2 converter gives them, the tied head written out as it does
+# the GGUF dequantized by edgellm's GGUF source (llama.cpp's q/k permutation undone) into a
+# Hugging Face folder; export_llm reads the same tensors as a Meta checkpoint in HF rotary order
+# (use_hf_rope), names as ExecuTorch's smollm2 converter gives them, the tied head written out
 [ -f "$out/hf/config.json" ] || "$py" - "$out" "$here" <<'PY'
 import json, sys
 from pathlib import Path
 import torch
-sys.path.insert(0, sys.argv[2])
-from transformers import AutoModelForCausalLM, AutoTokenizer
-from others import smollm2_gguf
-out, gguf = Path(sys.argv[1]), Path(smollm2_gguf())
-model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+from transformers import AutoModelForCausalLM
+from edgellm.sources import load_source
+out, here = Path(sys.argv[1]), Path(sys.argv[2])
+source = load_source(None)  # the embedded SmolLM2-135M-Instruct GGUF
+model = AutoModelForCausalLM.from_config(source.hf_config, dtype=torch.float32)
+loaded = model.load_state_dict({k: v.float() for k, v in source.state_dict.items()},
+                               strict=False)
+assert not loaded.unexpected_keys and set(loaded.missing_keys) <= {"lm_head.weight"}, loaded
+model.tie_weights()
 model.save_pretrained(out / "hf")
-AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out / "hf")
+source.write_tokenizer(out / "hf")
 names = {"self_attn.q_proj": "attention.wq", "self_attn.k_proj": "attention.wk",
          "self_attn.v_proj": "attention.wv", "self_attn.o_proj": "attention.wo",
          "input_layernorm": "attention_norm", "post_attention_layernorm": "ffn_norm",
@@ -46,7 +50,7 @@ sd["tok_embeddings.weight"] = model.model.embed_tokens.weight.detach().clone()
 sd["norm.weight"] = model.model.norm.weight.detach()
 sd["output.weight"] = sd["tok_embeddings.weight"]
 torch.save(sd, out / "anchor.pth")
-params = json.load(open(Path(sys.argv[2]).parents[1] / "shared/reference/executorch-params/"
+params = json.load(open(here.parents[1] / "shared/reference/executorch-params/"
                         "smollm2_135M_config.json"))
 json.dump({**params, "use_hf_rope": True}, open(out / "params.json", "w"), indent=2)
 PY
@@ -54,12 +58,12 @@ PY
 anchor() {  # NAME [extra export_llm overrides]
   local name=$1; shift
   ( cd "$out" && /usr/bin/time -v "$venv/bin/python" -m executorch.extension.llm.export.export_llm \
-      +base.model_class=smollm2 +base.params="$out/params.json" +base.checkpoint="$out/anchor.pth" \
-      +model.use_kv_cache=True +model.use_sdpa_with_kv_cache=True +model.enable_dynamic_shape=True \
-      +quantization.qmode=8da4w +quantization.group_size=$group +quantization.embedding_quantize=\'4,$group\' \
-      +backend.xnnpack.enabled=True +backend.xnnpack.extended_ops=True \
-      +export.max_seq_length=128 +export.max_context_length=$ctx \
-      +export.output_name="$name.pte" "$@" ) > "$out/$name.log" 2>&1
+      ++base.model_class=smollm2 ++base.params="$out/params.json" ++base.checkpoint="$out/anchor.pth" \
+      ++model.use_kv_cache=True ++model.use_sdpa_with_kv_cache=True ++model.enable_dynamic_shape=True \
+      ++quantization.qmode=8da4w ++quantization.group_size=$group ++quantization.embedding_quantize=\'4,$group\' \
+      ++backend.xnnpack.enabled=True ++backend.xnnpack.extended_ops=True \
+      ++export.max_seq_length=128 ++export.max_context_length=$ctx \
+      ++export.output_name="$name.pte" "$@" ) > "$out/$name.log" 2>&1
 }
 ours() {  # NAME [extra edgellm flags]
   local name=$1; shift
@@ -69,7 +73,7 @@ ours() {  # NAME [extra edgellm flags]
 }
 if [ "${SKIP_EXPORT:-0}" != 1 ]; then
   anchor export_llm_fp32
-  anchor export_llm_int8 +model.quantize_kv_cache=True
+  anchor export_llm_int8 ++model.quantize_kv_cache=True
   ours edgellm_fp32
   ours edgellm_int8 --kv-cache int8
 fi

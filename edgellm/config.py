@@ -67,6 +67,13 @@ class ExportConfig:
     kv_cache: str | None = option(None, "KV cache dtype: int8 (per token and head, ExecuTorch's "
                                   "quantized cache; xnnpack, portable); default the model's "
                                   "dtype", choices=KV_CACHES)
+    attention_sink: tuple[int, ...] | None = option(
+        None, "keep the first SINK positions and a ring of the last WINDOW in every full "
+        "attention layer: the program generates past max_context_len (StreamingLLM)",
+        metavar="SINK,WINDOW")
+    memory_budget: str | None = option(None, "refuse, before exporting, a program whose weights "
+                                       "and state would not fit this much memory (e.g. 4GB), "
+                                       "saying what it would take", metavar="SIZE")
     etrecord: bool = option(False, "also write etrecord.bin for ExecuTorch's devtools")
     verify: bool = option(True, "skip checking the program against the checkpoint after export",
                           flag="--no-verify")
@@ -168,7 +175,7 @@ def build_dataclass(cls, data: Mapping[str, Any], prefix: str, problems: list[st
 
 def from_dict(data: Mapping[str, Any]) -> ExportConfig:
     """Validate a config mapping (from YAML and overrides) into an ExportConfig."""
-    from .backends import BACKENDS, check_chain, kv_cache_problems
+    from .backends import BACKENDS, check_chain, kv_cache_problems, sink_problems
     from .quantize.recipes import problems as recipe_problems
 
     if not isinstance(data, Mapping):
@@ -193,6 +200,7 @@ def from_dict(data: Mapping[str, Any]) -> ExportConfig:
         chain = [BACKENDS[n] for n in cfg.backends if n in BACKENDS]
         problems.extend(recipe_problems(cfg, chain, list(BACKENDS.values())))
         problems.extend(check_chain(cfg.backends))
+        problems.extend(sink_problems(cfg, chain))
         if cfg.kv_cache in KV_CACHES:
             problems.extend(kv_cache_problems(cfg.kv_cache, chain, list(BACKENDS.values())))
         for name in cfg.backends:
@@ -208,13 +216,34 @@ def from_dict(data: Mapping[str, Any]) -> ExportConfig:
     return dataclasses.replace(cfg, backend_options=options)
 
 
+SIZE_UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def parse_size(text) -> int:
+    """'4GB', '4G', '4GiB', '512MB', '1.5G' or a number of bytes -> bytes (binary units, as memory
+    is sold); raises ValueError naming what is allowed."""
+    import re
+
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(I?B)?\s*", str(text).upper())
+    if not m or float(m.group(1)) <= 0:
+        raise ValueError(f"memory_budget: {text!r} is not a size; give e.g. 4GB, 512MB or a "
+                         "number of bytes")
+    return int(float(m.group(1)) * SIZE_UNITS[m.group(2)])
+
+
 def _problems(cfg: ExportConfig) -> list[str]:
     out = []
+    if cfg.memory_budget is not None:
+        try:
+            parse_size(cfg.memory_budget)
+        except ValueError as e:
+            out.append(str(e))
     if cfg.dtype not in DTYPES:
         out.append(f"dtype: '{cfg.dtype}' is not one of {', '.join(DTYPES)}")
     if cfg.kv_cache is not None and cfg.kv_cache not in KV_CACHES:
         out.append(f"kv_cache: '{cfg.kv_cache}' is not one of {', '.join(KV_CACHES)} (leave it "
                    "unset for caches in the model's dtype)")
+    out.extend(_sink_problems(cfg))
     if cfg.params is not None and (cfg.model is None or str(cfg.model).endswith(".gguf")):
         out.append("params: an ExecuTorch params JSON describes a .pth checkpoint (or is checked "
                    f"against a Hugging Face folder), but model is {cfg.model!r}; a GGUF carries "
@@ -230,6 +259,22 @@ def _problems(cfg: ExportConfig) -> list[str]:
         out.append(f"max_context_len: {ctx} is smaller than max_seq_len {cfg.max_seq_len}; "
                    "the cache must hold at least one full call")
     return out
+
+
+def _sink_problems(cfg: ExportConfig) -> list[str]:
+    sink = cfg.attention_sink
+    if sink is None:
+        return []
+    if len(sink) != 2 or sink[0] < 0 or sink[1] < 1:
+        return [f"attention_sink: {','.join(map(str, sink))} is not SINK,WINDOW with SINK >= 0 "
+                "and WINDOW >= 1 (e.g. 4,1020)"]
+    if isinstance(cfg.context_len, int) and isinstance(cfg.max_seq_len, int) \
+            and cfg.context_len <= cfg.max_seq_len:
+        return [f"attention_sink: needs max_context_len above max_seq_len ({cfg.max_seq_len}): "
+                "ExecuTorch's runner goes on past max_context_len only for a program whose "
+                "max_seq_len is the smaller, and takes at most max_context_len tokens per "
+                f"generate call; e.g. max_context_len {sum(sink) + cfg.max_seq_len}"]
+    return []
 
 
 def resolve_config(model=None, *, config=None, overrides=(), **options):

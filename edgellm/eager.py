@@ -53,12 +53,16 @@ def eager_model(cfg: ExportConfig, plan, stages: Stages,
     opts = plan.model_options(cfg, source.stored_types)
     with stages.stage("build"):
         model = build_model(source.hf_config, source.state_dict, opts, torch_dtype(cfg.dtype))
+    quantizing = bool(cfg.quantize or cfg.embedding_quantize)
+    if cfg.memory_budget is not None:  # the state alone, before verification's reference runs
+        check_budget(cfg, None if quantizing else weight_bytes(model), state_report(model),
+                     kv_cache_report(model))
     made("build", model)
     source.state_dict = {}  # the model holds the tensors now
     drop_checkpoint_pages()  # pages of checkpoint weights the build replaced
     weights = weight_bytes(model)
     done = None
-    if cfg.quantize or cfg.embedding_quantize:
+    if quantizing:
         from .quantize import quantize
 
         with stages.stage("quantize"):
@@ -68,4 +72,45 @@ def eager_model(cfg: ExportConfig, plan, stages: Stages,
         for line in [] if stages.quiet else done.notes():
             print(line, file=sys.stderr, flush=True)
         made("quantize", model)
-    return Eager(source, model, done, weights, state_report(model), kv_cache_report(model))
+    state, kv = state_report(model), kv_cache_report(model)
+    if cfg.memory_budget is not None and quantizing:
+        check_budget(cfg, weights, state, kv)
+    return Eager(source, model, done, weights, state, kv)
+
+
+def check_budget(cfg: ExportConfig, weights: int | None, state: dict, kv: dict) -> None:
+    """Refuse a program whose weights (those a decode step reads; None: not known yet, before a
+    recipe) and state (caches at the full context, conv and recurrent states) exceed
+    `cfg.memory_budget`, before anything is exported: with what it would take, the longest
+    context that fits and what an int8 cache would take. Activations come on top (a few MB for
+    a decode step)."""
+    from .config import parse_size
+
+    budget, need = parse_size(cfg.memory_budget), (weights or 0) + state["bytes"]
+    if need <= budget:
+        return
+    full = sum(r["bytes_per_position"] for r in kv["layers"] if r["slots"] == cfg.context_len)
+    fixed = state["bytes"] - full * cfg.context_len  # rings, conv and recurrent states
+    fits = (budget - (weights or 0) - fixed) // full if full else 0
+    advice = [f"lower --max-context-len to {fits} (the longest that fits)" if fits > 0 else
+              "choose a smaller model or a 4-bit recipe (--quantize)"]
+    if not cfg.kv_cache and kv["layers"]:  # what int8 rows of D values, a scale and a zero cost
+        d = kv["layers"][0]["k_cache"][-1]
+        int8 = sum(r["bytes"] for r in kv["layers"]) * (d + 5) // (d * {"float32": 4}.get(
+            kv["dtype"], 2))
+        advice.append(f"--kv-cache int8 (caches of {size(int8)} instead of "
+                      f"{size(kv['bytes'])}, on xnnpack and portable)")
+    parts = "" if weights is None else f"{size(weights)} of weights and "
+    raise InputError(f"A context of {cfg.context_len} needs {size(need)}"
+                     f"{' before its weights' if weights is None else ''}: {parts}"
+                     f"{size(state['bytes'])} of state ({size(kv['bytes'])} of "
+                     f"{kv['dtype']} KV caches), over --memory-budget {cfg.memory_budget}. Either "
+                     f"{' or '.join(advice)}.")
+
+
+def size(n: int) -> str:
+    """Bytes in binary units, as memory is sold (config.parse_size reads them)."""
+    for unit, scale in (("GB", 2**30), ("MB", 2**20), ("KB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"

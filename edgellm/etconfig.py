@@ -90,6 +90,9 @@ def _field(name: str, value, out: dict, problems: list[str]) -> None:
     elif name == "model.quantize_kv_cache":  # the same int8 cache, through the same ops
         if value:
             out["kv_cache"] = "int8"
+    elif name == "model.use_attention_sink":  # '<sink_size>,<window_size>': the same window
+        if value:
+            out["attention_sink"] = value
     elif name == "base.metadata":
         _metadata(name, value, out, problems)
     elif name.startswith("quantization.") and value is not None:

@@ -89,6 +89,8 @@ def metadata(cfg: ExportConfig, source, dynamic: bool, custom_sdpa: bool) -> dic
         meta["get_bos_id"] = int(source.bos_id)
     if source.eos_ids:
         meta["get_eos_ids"] = [int(i) for i in source.eos_ids]
+    if cfg.attention_sink:  # ours: edgellm's runtime then takes positions past the context
+        meta["get_attention_sink"] = [int(n) for n in cfg.attention_sink]
     return meta
 
 

@@ -47,7 +47,8 @@ def native_logs():
 
 
 METADATA = ("get_max_seq_len", "get_max_context_len", "get_vocab_size", "get_n_layers",
-            "get_bos_id", "get_eos_ids", "use_kv_cache", "enable_dynamic_shape")
+            "get_bos_id", "get_eos_ids", "use_kv_cache", "enable_dynamic_shape",
+            "get_attention_sink")
 
 
 class Program:
@@ -81,7 +82,7 @@ class Program:
     def _constant(self, name: str):
         with native_logs():
             out = self.program.load_method(name).execute([])
-        return list(out) if name == "get_eos_ids" else out[0]
+        return list(out) if name in ("get_eos_ids", "get_attention_sink") else out[0]
 
     @property
     def max_seq_len(self) -> int:
@@ -92,12 +93,18 @@ class Program:
         return int(self.meta.get("get_max_context_len", self.max_seq_len))
 
     @property
+    def sink(self) -> list[int] | None:
+        """[sink, window] of a program with attention sinks, which takes any position."""
+        return self.meta.get("get_attention_sink")
+
+    @property
     def dynamic(self) -> bool:
         return bool(self.meta.get("enable_dynamic_shape", False))
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
         start, T = int(input_pos[0]), tokens.shape[1]
-        if start < 0 or start + T > self.max_context_len or T > self.max_seq_len:
+        past = start + T > self.max_context_len and not self.sink
+        if start < 0 or past or T > self.max_seq_len:
             raise InputError(f"Cannot run positions {start}..{start + T - 1}: this program takes "
                              f"at most {self.max_seq_len} tokens per call within "
                              f"max_context_len {self.max_context_len}.")
@@ -109,7 +116,8 @@ class Program:
         through `forward`, in one call when its T is dynamic, else one token per call."""
         i, logits = 0, None
         if self._prefill is not None:
-            while len(ids) - i >= self.chunk and start + i + self.chunk <= self.max_context_len:
+            while len(ids) - i >= self.chunk and (self.sink or start + i + self.chunk <=
+                                                  self.max_context_len):
                 chunk = torch.tensor([ids[i:i + self.chunk]], dtype=torch.long)
                 with native_logs():
                     logits = self._prefill.execute([chunk, torch.tensor([start + i])])[0]
@@ -161,7 +169,8 @@ def generate(pte: str | Path, prompt: str, n: int = 32, tokenizer: str | Path | 
         raise InputError(f"The prompt is {len(ids)} tokens; this program takes at most "
                          f"max_seq_len={program.max_seq_len}. Shorten the prompt or export with "
                          "a larger --max-seq-len.")
-    n = min(n, program.max_context_len - len(ids))
+    if not program.sink:  # a program with attention sinks goes on past its context
+        n = min(n, program.max_context_len - len(ids))
     eos = set(program.meta.get("get_eos_ids", []))
     out: list[int] = []
     shown = ""

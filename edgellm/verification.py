@@ -174,7 +174,10 @@ class Verification:
 
     def __init__(self, cfg, plan, stages, steps: int = 8):
         self.cfg, self.plan, self.stages = cfg, plan, stages
-        self.steps = max(1, min(steps, cfg.context_len // 2))  # prompt and steps fit the cache
+        # what every check runs within: the cache, or with attention sinks the positions before
+        # the first eviction, past which the program is no longer transformers' full attention
+        self.context = min(cfg.context_len, sum(cfg.attention_sink or (cfg.context_len,)))
+        self.steps = max(1, min(steps, self.context // 2))  # prompt and steps fit the cache
         self.weights_quantized = bool(cfg.quantize or cfg.embedding_quantize)
         self.quantized = self.weights_quantized or cfg.kv_cache is not None
         self.limits = THRESHOLDS["quantized" if self.quantized else cfg.dtype]
@@ -205,8 +208,8 @@ class Verification:
         from .memory import release_memory
 
         cfg, source = self.cfg, self.source
-        longest = min(cfg.max_seq_len, cfg.context_len - self.steps)
-        self.text = text_tokens(source.tokenizer(), cfg.context_len)
+        longest = min(cfg.max_seq_len, self.context - self.steps)
+        self.text = text_tokens(source.tokenizer(), self.context)
         reference = transformers_model(source)
         runs = [(p, *reference_run(reference, p, self.steps))
                 for p in prompts(source.hf_config.vocab_size, longest, self.text)]

@@ -165,6 +165,7 @@ def test_fields_edgellm_cannot_honour_are_refused_by_name(change, match):
     ({"quantization": {"qmode": "int8"}}, {"quantize": "8w"}),
     ({"model": {"quantize_kv_cache": True}}, {"kv_cache": "int8"}),
     ({"model": {"quantize_kv_cache": False}}, {}),
+    ({"model": {"use_attention_sink": "4,2044"}}, {"attention_sink": "4,2044"}),
     ({"backend": {"coreml": {"enabled": True, "quantize": "b4w"}}},
      {"quantize": "4w", "group_size": 32, "backends": ["coreml"]}),
     ({"backend": {"coreml": {"enabled": True, "quantize": "c4w"}}},

@@ -182,3 +182,34 @@ def test_bench_refuses_a_depth_the_context_cannot_hold(exported, capsys):
                  "--depth", "0,25"]) == 2
     assert ("Depth 25 plus a 4-token prompt and 4 decode steps does not fit max_context_len 32; "
             "give depths up to 24") in capsys.readouterr().err
+
+
+def test_memory_budget_refuses_up_front_with_what_it_would_take(tiny_models, tmp_path, capsys):
+    """The tiny Llama at 256 positions: 329.5 KB of weights and 128 KB of fp32 caches (512 bytes
+    a position: 2 layers x k and v x 2 heads x 16 x 4 bytes). A 400K budget leaves room for 141
+    positions; the refusal comes before verification's reference runs or any export."""
+    assert main(["export", str(tiny_models["llama"][0]), "-o", str(tmp_path / "o"),
+                 "--max-seq-len", "16", "--max-context-len", "256", "--memory-budget",
+                 "400K"]) == 2
+    err = capsys.readouterr().err
+    assert ("A context of 256 needs 457.50 KB: 329.50 KB of weights and 128.00 KB of state "
+            "(128.00 KB of float32 KV caches), over --memory-budget 400K. Either lower "
+            "--max-context-len to 141 (the longest that fits) or --kv-cache int8 (caches of "
+            "42.00 KB instead of 128.00 KB, on xnnpack and portable).") in err
+    assert "reference" not in err and not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("text, size", [("4GB", 4 * 2**30), ("512MB", 512 * 2**20),
+                                        ("1.5G", 3 * 2**29), ("4GiB", 4 * 2**30),
+                                        ("1000", 1000)])
+def test_memory_budget_reads_sizes(text, size):
+    from edgellm.config import parse_size
+
+    assert parse_size(text) == size
+
+
+def test_memory_budget_that_is_no_size_is_refused(tiny_models, tmp_path):
+    with pytest.raises(edgellm.ConfigError) as e:
+        edgellm.export(tiny_models["llama"][0], output=tmp_path / "o", memory_budget="lots")
+    assert e.value.problems == ["memory_budget: 'lots' is not a size; give e.g. 4GB, 512MB or a "
+                                "number of bytes"]

@@ -43,6 +43,9 @@ class ModelOptions:
     # llama::gated_delta_rule (any T); "loop", token by token in plain ops (T fixed)
     delta_rule: str = "loop"
     kv_cache: str | None = None  # None: caches in the model's dtype; "int8": quantized (KVCache)
+    # (sink, window): full-attention caches keep the first `sink` positions and a ring of the
+    # last `window`, and the program takes positions past max_context_len (KVCache, Rope)
+    attention_sink: tuple[int, int] | None = None
 
 
 @dataclass
@@ -57,25 +60,52 @@ class Step:
     #              -> x rotated for these positions
     single: bool  # T is fixed at 1 in this program (a static decode step)
     dtype: torch.dtype = torch.float32
-    ring_masks: dict = field(default_factory=dict)  # (ring, window) -> ring_mask, made once
+    ring_masks: dict = field(default_factory=dict)  # (ring, window, sink) -> ring_mask, made once
+    tables: dict = field(default_factory=dict)  # rotation kind -> Rope, for sink_rotation
+    sink_rotations: dict = field(default_factory=dict)  # (kind, sink, window) -> rotation
 
     @property
     def rope(self) -> Callable:
         return self.ropes[FULL]
 
-    def ring_mask(self, ring: int, window: int) -> torch.Tensor:
-        """(T, ring) additive mask of a ring buffer of `ring` slots after this call's write: slot
-        s holds the latest position p <= the call's last with p = s (mod ring); query i sees it
-        when it is written (p >= 0), not in its future, and within `window` positions back. Made
-        once per call for every layer with the same ring and window."""
-        if (ring, window) not in self.ring_masks:
+    def ring_mask(self, ring: int, window: int, sink: int = 0) -> torch.Tensor:
+        """(T, sink + ring) additive mask of a ring buffer of `ring` slots after this call's
+        write, behind `sink` slots holding positions 0..sink-1: ring slot s holds the latest
+        position p >= sink, p <= the call's last, with p - sink = s (mod ring); query i sees it
+        when it is written, not in its future, and within `window` positions back; it sees a sink
+        slot once written, however far back. Made once per call for every layer with the same
+        ring, window and sink."""
+        if (ring, window, sink) not in self.ring_masks:
             last = self.positions[-1:]
-            held = last - (last - torch.arange(ring)) % ring  # (ring,)
+            after = last - sink if sink else last  # (no op in the graph of a plain ring)
+            held = last - (after - torch.arange(ring)) % ring  # (ring,)
             back = self.positions[:, None] - held[None, :]  # (T, ring)
-            reach = (held >= 0) & (back >= 0) & (back < window)
-            self.ring_masks[ring, window] = torch.zeros(reach.shape, dtype=self.dtype).masked_fill(
-                ~reach, float("-inf"))
-        return self.ring_masks[ring, window]
+            reach = (held >= sink) & (back >= 0) & (back < window)
+            if sink:
+                written = torch.arange(sink)[None, :] <= self.positions[:, None]  # (T, sink)
+                reach = torch.cat([written, reach], dim=1)
+            self.ring_masks[ring, window, sink] = torch.zeros(
+                reach.shape, dtype=self.dtype).masked_fill(~reach, float("-inf"))
+        return self.ring_masks[ring, window, sink]
+
+    def ring_slots(self, ring: int, sink: int = 0) -> torch.Tensor:
+        """(T,) the slot each of this call's positions is written at: position p mod ring, or
+        behind `sink` slots, p itself below sink and sink + (p - sink) mod ring from there."""
+        if not sink:
+            return self.positions % ring
+        return torch.where(self.positions < sink, self.positions,
+                           sink + (self.positions - sink) % ring)
+
+    def sink_rotation(self, kind: str, sink: int, window: int) -> Callable:
+        """The rotation that moves sink keys (rotated at positions 0..sink-1 when written) to sit
+        just before the window of this call's first query, as StreamingLLM positions them within
+        the cache: by max(0, first - window + 1 - sink) positions. The window's keys keep their
+        true distances, so every key is then where StreamingLLM puts it for a one-token call."""
+        if (kind, sink, window) not in self.sink_rotations:
+            shift = (self.positions[:1] - window + 1 - sink).clamp(min=0)
+            self.sink_rotations[kind, sink, window] = self.tables[kind].prepare(
+                shift.expand(sink), self.dtype, unbounded=True)
+        return self.sink_rotations[kind, sink, window]
 
 
 FULL = "full_attention"  # the rotation of a model with one RoPE, and of its full-attention layers
@@ -130,6 +160,8 @@ class Rope(nn.Module):
     "rotate": x*cos + rotate_half(x)*sin with rotate_half as a signed permutation (one linear).
     "matrix": per position one (D, D) matrix diag(cos) + rot^T diag(sin), built once per call
     and applied to q and k as one matmul each.
+    A program with attention sinks takes positions past any table: its rows are computed per
+    call from the positions instead (`prepare(..., unbounded=True)`), with the table's formula.
     """
 
     def __init__(self, inv_freq: torch.Tensor, scaling: float, max_context_len: int,
@@ -138,17 +170,17 @@ class Rope(nn.Module):
         unrotated (cos 1, sin 0). `long`: (inv_freq, first position) of LongRoPE, whose positions
         from the original context on rotate with the long factors."""
         super().__init__()
-        self.mode = mode
-        pos = torch.arange(max_context_len, dtype=torch.float32)
-        freqs = torch.outer(pos, inv_freq.float())
-        if long is not None:
-            freqs[long[1]:] = torch.outer(pos[long[1]:], long[0].float())
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # (ctx, 1, rotated dims)
-        half, d = emb.shape[-1] // 2, head_dim or emb.shape[-1]
-        pad = d - 2 * half
-        self.register_buffer("cos", F.pad(emb.cos() * scaling, (0, pad), value=1.0),
+        self.mode, self.scaling = mode, scaling
+        self.long_from = None if long is None else long[1]
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        self.register_buffer("long_inv_freq", (inv_freq if long is None else long[0]).float(),
                              persistent=False)
-        self.register_buffer("sin", F.pad(emb.sin() * scaling, (0, pad)), persistent=False)
+        d = head_dim or 2 * inv_freq.shape[0]
+        self.pad = d - 2 * inv_freq.shape[0]
+        cos, sin = self._rows(torch.arange(max_context_len, dtype=torch.float32))
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+        half = inv_freq.shape[0]
         rot = torch.zeros(d, d)  # rotate_half(x) == x @ rot.T: [-x2, x1] over the rotated dims
         rot[torch.arange(half), torch.arange(half) + half] = -1.0
         rot[torch.arange(half) + half, torch.arange(half)] = 1.0
@@ -157,9 +189,22 @@ class Rope(nn.Module):
             self.register_buffer("eye", torch.eye(d), persistent=False)
             self.register_buffer("rot_t", rot.T.contiguous(), persistent=False)
 
-    def prepare(self, positions: torch.Tensor, dtype):
+    def _rows(self, pos: torch.Tensor) -> tuple:
+        """cos and sin rows (len(pos), 1, D) at float positions `pos`."""
+        freqs = pos[:, None] * self.inv_freq[None, :]
+        if self.long_from is not None:
+            freqs = torch.where(pos[:, None] >= self.long_from,
+                                pos[:, None] * self.long_inv_freq[None, :], freqs)
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # (n, 1, rotated dims)
+        return (F.pad(emb.cos() * self.scaling, (0, self.pad), value=1.0),
+                F.pad(emb.sin() * self.scaling, (0, self.pad)))
+
+    def prepare(self, positions: torch.Tensor, dtype, unbounded: bool = False):
         """The rotation for these positions, as a function of x (1, T, heads, D)."""
-        cos, sin = self.cos[positions].to(dtype), self.sin[positions].to(dtype)  # (T, 1, D)
+        if unbounded:
+            cos, sin = (t.to(dtype) for t in self._rows(positions.float()))
+        else:
+            cos, sin = self.cos[positions].to(dtype), self.sin[positions].to(dtype)  # (T, 1, D)
         if self.mode == "matrix":
             rotation = self.eye.to(dtype) * cos + self.rot_t.to(dtype) * sin  # (T, D, D)
             return lambda x: x @ rotation  # batched over T: (heads, D) @ (D, D)
@@ -310,6 +355,13 @@ class KVCache(nn.Module):
     (ring_slots): a call writes its tokens at slot position mod ring in place (one
     llama::update_cache_with_indices or index_put_ per cache) and attends through
     Step.ring_mask. `scale` replaces SDPA's 1/sqrt(D) (Gemma 3, Granite).
+
+    With attention sinks (opts.attention_sink = (sink, window)) a layer without a shorter window
+    of its own keeps `sink` slots for positions 0..sink-1 ahead of such a ring of `window`: it
+    takes any position, and its sink keys (kept as written in `sink_k`) are rotated each call to
+    sit just before the window (Step.sink_rotation, by the RoPE of `rope_kind`, the Step.ropes
+    entry its keys rotate with; None: no RoPE), so a one-token call attends exactly as
+    StreamingLLM does.
     """
 
     def __init__(self, n_heads: int, n_kv: int, head_dim: int, opts: ModelOptions, dtype,
@@ -318,6 +370,12 @@ class KVCache(nn.Module):
         self.n_heads, self.n_kv, self.head_dim = n_heads, n_kv, head_dim
         self.mode, self.ctx, self.scale = opts.attention, ring_slots(window, opts), scale
         self.window = window if window is not None and window < opts.max_context_len else None
+        self.sink, self.rope_kind, self.state_write = 0, FULL, opts.state_write
+        if opts.attention_sink is not None and (window is None or window >= opts.attention_sink[1]):
+            self.sink, self.window = opts.attention_sink
+            self.ctx = self.sink + self.window + opts.max_call_len - 1
+            self.register_buffer("sink_k", torch.zeros(1, self.sink, n_kv, head_dim, dtype=dtype),
+                                 persistent=False)
         self.dtype, self.int8 = dtype, opts.kv_cache == "int8"
         if self.mode == "custom_ops":
             import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401  registers llama::
@@ -363,16 +421,20 @@ class KVCache(nn.Module):
         A ring (sliding window) writes at its slots and attends through the ring mask."""
         mask = index = None
         if self.window is not None:
-            index = (step.positions % self.ctx)[None, :]  # (1, T) distinct slots
-            mask = step.ring_mask(self.ctx, self.window).float()
-        for x, name in ((k, "k"), (v, "v")):
-            for part, buffer in zip(quantize_rows(x), (f"{name}_cache", f"{name}_cache_scales",
-                                                       f"{name}_cache_zero_points")):
+            slots, mask = self._ring(step)
+            index, mask = slots[None, :], mask.float()  # (1, T) distinct slots
+        sinks = self._sinks(k, step)
+        for x, name, first in ((k, "k", sinks), (v, "v", None)):
+            buffers = (f"{name}_cache", f"{name}_cache_scales", f"{name}_cache_zero_points")
+            for part, buffer in zip(quantize_rows(x), buffers):
                 if index is None:
                     torch.ops.llama.update_cache(part, getattr(self, buffer), step.start_int)
                 else:
                     torch.ops.llama.update_cache_with_indices(part, getattr(self, buffer), 0,
                                                               index)
+            if first is not None:  # the sink keys, moved to sit before the window
+                for part, buffer in zip(quantize_rows(first), buffers):
+                    torch.ops.llama.update_cache(part, getattr(self, buffer), 0)
         q8, q_scales, q_zeros = quantize_rows(q)
         out = torch.ops.llama.custom_quantized_sdpa(
             q8, self.k_cache, self.v_cache, 0 if mask is not None else step.start_int, mask, 0.0,
@@ -380,14 +442,42 @@ class KVCache(nn.Module):
             self.k_cache_scales, self.v_cache_zero_points, self.v_cache_scales)
         return out.to(q.dtype).view(1, -1, self.n_heads * self.head_dim)
 
+    def _ring(self, step: Step) -> tuple:
+        """(slots (T,), mask (T, ctx)) of a ring, behind its sink slots if it has them. T <=
+        max_call_len <= ring, so a call's slots are distinct."""
+        ring = self.ctx - self.sink
+        return step.ring_slots(ring, self.sink), step.ring_mask(ring, self.window, self.sink)
+
+    def _sinks(self, k, step: Step):
+        """With sinks: `sink_k` takes this call's keys at positions below `sink` (as written,
+        (1, T, n_kv, D)), and the sink keys come back rotated to sit before the window, (1, sink,
+        n_kv, D), for the cache's first slots. None without sinks."""
+        if not self.sink:
+            return None
+        k = k if heads_axis(step) == 2 else k.transpose(1, 2)  # (1, T, n_kv, D)
+        rows, first, last = torch.arange(self.sink), step.positions[:1], step.positions[-1:]
+        taken = ((rows >= first) & (rows <= last))[None, :, None, None]
+        if not step.single:  # the row of this call at each sink slot (any where not taken)
+            k = k.index_select(1, torch.minimum((rows - first).clamp(min=0), last - first))
+        kept = torch.where(taken, k, self.sink_k)  # (one token: broadcast, no gather)
+        if self.state_write == "index_put":
+            write_at(self.sink_k, 1, rows, kept)
+        else:
+            self.sink_k.copy_(kept)
+        if self.rope_kind is None:
+            return kept
+        return step.sink_rotation(self.rope_kind, self.sink, self.window)(kept)
+
     def _windowed(self, q, k, v, step: Step) -> torch.Tensor:
-        slots = step.positions % self.ctx  # (T,): T <= max_call_len <= ring, so all distinct
-        mask = step.ring_mask(self.ctx, self.window)
+        slots, mask = self._ring(step)
+        sinks = self._sinks(k, step)
         if self.mode == "custom_ops":
             index = slots[None, :]
             if mask.dtype == torch.bfloat16:  # the op's checks take an fp32 or fp16 mask only
                 mask = mask.float()
             torch.ops.llama.update_cache_with_indices(k, self.k_cache, 0, index)
+            if sinks is not None:
+                torch.ops.llama.update_cache(sinks, self.k_cache, 0)
             torch.ops.llama.update_cache_with_indices(v, self.v_cache, 0, index)
             out = torch.ops.llama.custom_sdpa(q, self.k_cache, self.v_cache, 0, mask, 0.0, False,
                                               self.scale)
@@ -395,6 +485,8 @@ class KVCache(nn.Module):
         k, v = to_heads(k, step), to_heads(v, step)
         if step.start_int is None:  # index_put_: one MIL slice_update on Core ML
             write_at(self.k_cache, 2, slots, k)
+            if sinks is not None:  # the first slots: a slice (Core ML: slice_update)
+                self.k_cache.narrow(2, 0, self.sink).copy_(sinks.transpose(1, 2))
             write_at(self.v_cache, 2, slots, v)
         else:  # a fixed number of tokens > 1: coremltools' index_put takes one index only
             self._rewrite(self.k_cache, k, step)
@@ -474,15 +566,17 @@ def make_step(input_pos: torch.Tensor, T: int, opts: ModelOptions, ropes: dict, 
     if opts.attention == "custom_ops" or (isinstance(T, int) and T > 1):
         start_int = input_pos[0].item()
         torch._check(start_int >= 0)
-        torch._check(start_int + T <= opts.max_context_len)
+        if opts.attention_sink is None:  # a sink program takes any position
+            torch._check(start_int + T <= opts.max_context_len)
     positions = input_pos + torch.arange(T, device=input_pos.device)
     if opts.attention == "sdpa":  # shared by every attention layer: (T, ctx), -inf in the future
         future = torch.arange(opts.max_context_len)[None, :] > positions[:, None]
         mask = torch.zeros(future.shape, dtype=dtype).masked_fill(future, float("-inf"))
     keep = (input_pos[0] != 0).to(dtype)
+    unbounded = opts.attention_sink is not None  # positions past any table
     return Step(positions=positions, start_int=start_int, keep=keep, mask=mask,
-                ropes={kind: r.prepare(positions, dtype) for kind, r in ropes.items()},
-                single=single, dtype=dtype)
+                ropes={kind: r.prepare(positions, dtype, unbounded) for kind, r in ropes.items()},
+                single=single, dtype=dtype, tables=ropes)
 
 
 def head_weight(lm: nn.Module) -> torch.Tensor:
@@ -507,7 +601,7 @@ def weight_bytes(lm: nn.Module) -> int:
 
 
 # the buffers a program keeps between calls
-STATE = ("k_cache", "v_cache", *INT8_CACHE, "conv_state", "recurrent_state")
+STATE = ("k_cache", "v_cache", *INT8_CACHE, "sink_k", "conv_state", "recurrent_state")
 
 
 def state_report(lm: nn.Module) -> dict:

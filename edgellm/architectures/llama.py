@@ -168,6 +168,7 @@ class Attention(nn.Module):
         with torch.device("cpu"):
             self.cache = KVCache(self.n_heads, self.n_kv, self.head_dim, opts, dtype, window,
                                  attention_scale(cfg))
+        self.cache.rope_kind = rope  # what its sink keys rotate with (attention sinks)
 
     def forward(self, x, step):
         rope = step.ropes[self.rope_kind] if self.rope_kind else None

@@ -16,7 +16,7 @@ from ..errors import InputError
 from .base import Backend, NoOptions
 
 __all__ = ["BACKENDS", "NOT_HERE", "Backend", "NoOptions", "Plan", "check_chain", "get_backend",
-           "kv_cache_problems", "plan_for"]
+           "kv_cache_problems", "plan_for", "sink_problems"]
 
 
 def _registry() -> dict[str, Backend]:
@@ -62,6 +62,17 @@ def check_chain(names) -> list[str]:
     return out
 
 
+def sink_problems(cfg, chain: list[Backend]) -> list[str]:
+    """Attention sinks a chain cannot take: a prefill method of a static-shape program rewrites
+    a ring whole (KVCache._rewrite), which knows no sink slots."""
+    static = [b.name for b in chain if not b.dynamic_shapes]
+    if cfg.attention_sink and cfg.prefill_chunk and static:
+        return [f"attention_sink with prefill_chunk on {static[0]}: its prefill method writes a "
+                "ring of fixed-length calls, which has no sink slots yet; drop prefill_chunk (a "
+                "prompt then goes a token per call) or export for xnnpack"]
+    return []
+
+
 def kv_cache_problems(dtype: str | None, chain: list[Backend], every: list[Backend]) -> list[str]:
     """A KV cache dtype the chain's first backend (which writes the model) has no kernels for."""
     first = chain[0] if chain else None
@@ -98,7 +109,8 @@ class Plan:
             writing.update(self.backends[0].kv_caches[cfg.kv_cache], kv_cache=cfg.kv_cache)
         if keeps_source_grids(cfg, stored):
             writing["fold_norms"] = writing["fuse_qk"] = False
-        return ModelOptions(max_context_len=cfg.context_len,
+        sink = tuple(cfg.attention_sink) if cfg.attention_sink else None
+        return ModelOptions(max_context_len=cfg.context_len, attention_sink=sink,
                             max_call_len=max(cfg.max_seq_len, cfg.prefill_chunk), **writing)
 
     def settled(self, cfg, state_bytes: int, weight_bytes: int) -> tuple["Plan", dict]:
