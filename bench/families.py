@@ -11,7 +11,7 @@ factors). Weights are transformers' initialization with a fixed seed, saved as f
 
 `caches` counts what a program keeps between calls, as edgellm builds it (ring buffers of
 window + max_seq_len - 1 slots for sliding-window layers, llama.layer_windows and
-layers.ring_slots), against full-length caches in every attention layer. `matrix` exports the
+cache.ring_slots), against full-length caches in every attention layer. `matrix` exports the
 tiny checkpoint of every family (tests/conftest.py) to XNNPACK, Core ML and Vulkan and prints
 the delegation of each, verified.
 """
@@ -71,7 +71,8 @@ def make(name: str, out: str, seed: int) -> None:
 
 def state_bytes(cfg, context: int, max_seq_len: int, bytes_per: int = 4) -> tuple[int, int]:
     """(bytes edgellm's program keeps, bytes with full-length caches in every attention layer)."""
-    from edgellm.architectures.layers import ModelOptions, ring_slots
+    from edgellm.architectures.cache import ring_slots
+    from edgellm.architectures.layers import ModelOptions
     from edgellm.architectures.llama import head_dim, layer_windows
 
     opts = ModelOptions(context, max_call_len=max_seq_len)

@@ -25,15 +25,16 @@ class Eager:
     model: object  # the eager module, quantized as the program will be
     quantized: object | None  # quantize.apply.Quantized, None without a recipe
     weight_bytes: int  # of weights one decode step reads
-    state: dict  # what the program keeps between calls, per layer (layers.state_report)
-    kv_cache: dict  # the KV caches alone (layers.kv_cache_report)
+    state: dict  # what the program keeps between calls, per layer (cache.state_report)
+    kv_cache: dict  # the KV caches alone (cache.kv_cache_report)
 
 
 def eager_model(cfg: ExportConfig, plan, stages: Stages,
                 made: Callable[[str, object], None] = lambda stage, product: None) -> Eager:
     """Load, build and quantize as `cfg` and the backends' `plan` ask, one timed stage each."""
     from .architectures import build_model
-    from .architectures.layers import kv_cache_report, state_report, weight_bytes
+    from .architectures.cache import kv_cache_report, state_report
+    from .architectures.layers import weight_bytes
     from .sources import load_source
 
     with stages.stage("load"):

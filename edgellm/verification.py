@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from .architectures.layers import float_caches
+from .architectures.cache import float_caches
 from .errors import InputError, VerificationError
 
 # (minimum SQNR dB, minimum top-1 agreement) per what is compared

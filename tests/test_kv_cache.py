@@ -10,7 +10,8 @@ import torch
 import edgellm
 from conftest import LONG, WINDOW
 from edgellm.architectures import build_model
-from edgellm.architectures.layers import ModelOptions, float_caches
+from edgellm.architectures.cache import float_caches
+from edgellm.architectures.layers import ModelOptions
 from edgellm.backends import BACKENDS
 from edgellm.cli import main
 from edgellm.numerics import compare
@@ -213,3 +214,26 @@ def test_memory_budget_that_is_no_size_is_refused(tiny_models, tmp_path):
         edgellm.export(tiny_models["llama"][0], output=tmp_path / "o", memory_budget="lots")
     assert e.value.problems == ["memory_budget: 'lots' is not a size; give e.g. 4GB, 512MB or a "
                                 "number of bytes"]
+
+
+def test_a_32k_context_runs_at_its_far_end(tiny_models, tmp_path):
+    """Nothing in the program is sized for short contexts: at max_context_len 32768 a call at
+    position 32767 gives the eager model's logits (the cache between holds zeros, on both
+    sides)."""
+    from edgellm.runtime import Program
+    from edgellm.sources import load_source
+
+    folder = tiny_models["llama"][0]
+    sizes = dict(max_seq_len=16, max_context_len=32768)
+    edgellm.export(folder, output=tmp_path / "o", verify=False, allow_long_context=True,
+                   quiet=True, **sizes)
+    program = Program(tmp_path / "o" / "model.pte")
+    source = load_source(str(folder))
+    opts = ModelOptions(max_context_len=32768, max_call_len=16, **BACKENDS["xnnpack"].writing)
+    model = build_model(source.hf_config, source.state_dict, opts, torch.float32)
+    calls = [([5, 6, 7, 8], 0), ([9, 10], 32000), ([11], 32767)]
+    with torch.no_grad():
+        for ids, start in calls:
+            got = program.forward(torch.tensor([ids]), torch.tensor([start]))
+            want = model(torch.tensor([ids]), torch.tensor([start]))
+            assert compare(got, want).sqnr_db > 60, start

@@ -10,7 +10,8 @@ import torch
 
 from conftest import assert_logits_close
 from edgellm.architectures import build_model
-from edgellm.architectures.layers import ModelOptions, state_report
+from edgellm.architectures.cache import state_report
+from edgellm.architectures.layers import ModelOptions
 
 SIZES = dict(max_seq_len=32, max_context_len=48, verify=False, etrecord=False)
 XNNPACK = dict(SIZES, prefill_chunk=8)  # and a `prefill` method of 8 tokens beside `forward`

@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import InputError
-from .layers import (CausalConv, KVCache, ModelOptions, RMSNorm, Rope, fold_norm,
+from .cache import KVCache
+from .layers import (CausalConv, ModelOptions, RMSNorm, Rope, fold_norm,
                      fuse_qk_weights, fused_qk, head_weight, run_decoder, split_heads,
                      time_major_conv)
 from .registry import Architecture, ExecuTorchLayout, GgufLayout, layer_kinds

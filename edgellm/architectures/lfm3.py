@@ -6,7 +6,7 @@ Same math and parameter names as transformers' Lfm3ForCausalLM. An attention blo
 (llama.Attention: per-head q and k norms before RoPE, names q_proj ... o_proj, q_norm, k_norm)
 with a sigmoid gate per head on its output (`g_proj`); every block has sandwich norms (after
 each branch, `post_operator_norm` and `post_ffn_norm`), and the feed-forward is LFM2's w1/w2/w3
-at intermediate_size. A sliding-window layer keeps a ring buffer of its window (layers.KVCache).
+at intermediate_size. A sliding-window layer keeps a ring buffer of its window (cache.KVCache).
 """
 
 from __future__ import annotations

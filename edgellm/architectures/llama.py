@@ -19,8 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import InputError
-from .layers import (FULL, KVCache, ModelOptions, RMSNorm, Rope, fold_norm, fuse_qk_weights,
-                     fused_qk, head_weight, run_decoder, split_heads)
+from .cache import KVCache
+from .layers import (FULL, ModelOptions, RMSNorm, Rope, fold_norm, fuse_qk_weights, fused_qk,
+                     head_weight, run_decoder, split_heads)
 from .registry import (Architecture, ExecuTorchLayout, GgufLayout, layer_kinds,
                        rope_parameter_sets)
 

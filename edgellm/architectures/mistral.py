@@ -1,7 +1,7 @@
 """Mistral and Ministral (transformers `model_type: mistral`, `ministral`): Llama's layout
 (llama.py) with a sliding window, in every layer (Mistral, when `sliding_window` is set) or in
 the layers `layer_types` names (Ministral). A sliding-window layer keeps a ring buffer of its
-window (layers.KVCache).
+window (cache.KVCache).
 """
 
 from __future__ import annotations
