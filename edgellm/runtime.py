@@ -173,16 +173,20 @@ def generate(pte: str | Path, prompt: str, n: int = 32, tokenizer: str | Path | 
         n = min(n, program.max_context_len - len(ids))
     eos = set(program.meta.get("get_eos_ids", []))
     out: list[int] = []
-    shown = ""
+    # the text shown so far ends at token `read`; the decoder sees from `prefix` (a few tokens
+    # back, for decoders whose first token reads differently), so each step decodes a few tokens,
+    # not the whole output: a program with attention sinks generates without end
+    prefix = read = shown = 0
     for tok_id in greedy(program.forward, program.prefill, ids, n, eos):
         if tok_id in eos:
             break
         out.append(tok_id)
-        text = tok.decode(out)
-        if on_text and not text.endswith("\ufffd"):  # wait for the rest of a multi-byte char
-            on_text(text[len(shown):])
-            shown = text
+        if on_text:
+            before, after = tok.decode(out[prefix:read]), tok.decode(out[prefix:])
+            if len(after) > len(before) and not after.endswith("\ufffd"):  # a whole char
+                on_text(after[len(before):])
+                prefix, read, shown = read, len(out), shown + len(after) - len(before)
     text = tok.decode(out)
-    if on_text and len(text) > len(shown):
-        on_text(text[len(shown):])
+    if on_text and len(text) > shown:
+        on_text(text[shown:])
     return text

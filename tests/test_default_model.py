@@ -29,8 +29,11 @@ def test_default_greedy_tokens_match_transformers(default_export):
     ppl = result["perplexity"]
     assert ppl["tokens"] == 64 and ppl["top1_vs_fp32"] == 1.0
     assert abs(ppl["program"] - ppl["transformers_fp32"]) < 1e-3 * ppl["transformers_fp32"]
-    text = edgellm.generate(folder / "model.pte", "The capital of France is", n=8)
+    pieces = []
+    text = edgellm.generate(folder / "model.pte", "The capital of France is", n=24,
+                            on_text=pieces.append)
     assert "Paris" in text
+    assert "".join(pieces) == text and len(pieces) > 3  # streamed a few tokens' text at a time
 
 
 def test_text_llm_runner_runs_the_program_unchanged(default_export):
