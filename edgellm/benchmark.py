@@ -64,7 +64,8 @@ def bench(target, prompt_lengths=(64,), steps: int = 32, repeats: int = 3,
         raise InputError(f"Every prompt length in {list(prompt_lengths)} plus {steps} decode "
                          f"steps exceeds max_context_len {program.max_context_len}; give "
                          "shorter --prompt-lengths or fewer --steps.")
-    deep = [d for d in depths if d + lengths[0] + steps > program.max_context_len or d < 0]
+    deep = [d for d in depths if d < 0 or d + lengths[0] + steps > program.max_context_len
+            and not program.sink]  # a program with attention sinks takes any depth
     if deep:
         raise InputError(f"Depth {deep[0]} plus a {lengths[0]}-token prompt and {steps} decode "
                          f"steps does not fit max_context_len {program.max_context_len}; give "

@@ -127,6 +127,17 @@ def test_executorch_runner_goes_on_past_the_context(sink_program):
     assert len(pieces) > 2 * 16
 
 
+def test_bench_measures_far_past_the_context(sink_program, capsys):
+    """Depth 100 in a context of 16: the cache read is the sinks and the ring, not the depth."""
+    folder, report = sink_program
+    assert main(["bench", str(folder), "--prompt-lengths", "4", "--steps", "4", "--repeats", "1",
+                 "--depth", "0,100"]) == 0
+    r = __import__("json").loads(capsys.readouterr().out.strip().splitlines()[-1])
+    [layer] = report["kv_cache"]["layers"]
+    assert r["by_depth"]["100"]["cache_bytes_read"] == layer["bytes"]
+    assert r["decode_tok_s_by_depth"]["100"] > 0
+
+
 def test_generate_goes_on_past_the_context(sink_program, capsys):
     assert main(["generate", str(sink_program[0] / "model.pte"), "--prompt", "the quick",
                  "-n", "40"]) == 0
