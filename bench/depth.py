@@ -70,9 +70,9 @@ def main():
                 cache = sum(x["bytes_per_position"] * min(d, x["slots"]) for x in layers)
                 read = report["weight_bytes_per_token"] + cache
             fraction = read / (bw * 1e9) * decode if read else None
-            table.setdefault(name, {})[d] = {"prefill_tok_s": prefill, "decode_tok_s": decode,
-                                            "bytes_read": read, "floor_fraction": fraction and
-                                            round(fraction, 3), "rounds": runs[name][d]}
+            table.setdefault(name, {})[d] = {
+                "prefill_tok_s": prefill, "decode_tok_s": decode, "bytes_read": read,
+                "floor_fraction": fraction and round(fraction, 3), "rounds": runs[name][d]}
             print(f"| {name} | {d} | {prefill:.1f} | {decode:.2f} | "
                   f"{'-' if read is None else f'{read / 1e6:.0f} MB'} | "
                   f"{'-' if fraction is None else f'{fraction:.0%}'} |")

@@ -133,7 +133,8 @@ def export(cfg: ExportConfig, quiet: bool = False) -> dict:
         with stages.stage("lower"):  # patches first: they apply to the partitioners made here
             applied = patches.apply(plan.patches + LOWERING_PATCHES)
             partitioners = plan.partitioners()  # imports the backends' toolchains
-            meta = metadata(cfg, source, plan.dynamic_shapes, plan.backends[0].custom_sdpa)
+            custom = plan.model_options(cfg, source.stored_types).attention == "custom_ops"
+            meta = metadata(cfg, source, plan.dynamic_shapes, custom)  # (portable's int8 cache)
             lowered = lower(programs, partitioners, meta, cfg.etrecord,
                             quant_fusion=cfg.embedding_quantize is not None,
                             dedupe=bool(done and done.linears_on_source_grid))
