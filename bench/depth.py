@@ -45,9 +45,9 @@ def main():
             program.prefill(prompt[:8])
         for d in depths:
             fill = torch.randint(0, 40000, (d - filled,), generator=g).tolist()
-            for program in programs.values():
-                if fill:
-                    program.prefill(fill, filled)
+            for program in programs.values():  # in pieces of 64: export_llm's programs take
+                for j in range(0, len(fill), 64):  # at most max_seq_len - 1 tokens a call
+                    program.prefill(fill[j:j + 64], filled + j)
             filled = d
             for r in range(a.rounds):
                 for name in list(programs)[::1 if r % 2 == 0 else -1]:
