@@ -76,6 +76,20 @@ def test_eager_model_is_streaming_llm_far_past_the_context(one_layer, ids, strea
     assert c.sqnr_db > 100 and c.argmax_agree == 1.0, c
 
 
+def test_int8_sink_cache_is_the_float_one_within_its_bounds(one_layer, ids, streaming_llm):
+    """An int8 cache with sinks: the rotated sink keys are quantized as they are written into
+    the sink slots, the ring's as they arrive; within the int8 cache's bounds of StreamingLLM."""
+    from edgellm.sources import load_source
+
+    source = load_source(str(one_layer[0]))
+    opts = ModelOptions(max_context_len=16, max_call_len=4, attention="custom_ops",
+                        attention_sink=(SINK, WINDOW), kv_cache="int8")
+    model = build_model(source.hf_config, source.state_dict, opts, torch.float32)
+    with torch.no_grad():
+        c = compare(decode(model, ids), streaming_llm)
+    assert 30 < c.sqnr_db < 90 and c.argmax_agree >= 0.9, c
+
+
 @pytest.fixture(scope="module")
 def sink_program(one_layer, tmp_path_factory):
     out = tmp_path_factory.mktemp("sink") / "xnnpack"
