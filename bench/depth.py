@@ -22,7 +22,8 @@ import speed_vs_anchor  # noqa: F401  sets OMP_NUM_THREADS=1 before torch loads
 
 import torch  # noqa: E402
 
-from edgellm.benchmark import bandwidth_gbs, decode_step, report_of, timed  # noqa: E402
+from edgellm.benchmark import (bandwidth_gbs, cache_bytes_read, decode_step,  # noqa: E402
+                               report_of, timed)
 from edgellm.runtime import Program, native_logs  # noqa: E402
 
 
@@ -61,14 +62,12 @@ def main():
           "| of the floor |\n|---|---|---|---|---|---|")
     for name, program in programs.items():
         report = report_of(program.path)
-        layers = report.get("kv_cache", {}).get("layers", [])
         for d in depths:
             prefill = statistics.median(runs[name][d]["prefill"])
             decode = statistics.median(runs[name][d]["decode"])
             read = None
             if report:
-                cache = sum(x["bytes_per_position"] * min(d, x["slots"]) for x in layers)
-                read = report["weight_bytes_per_token"] + cache
+                read = report["weight_bytes_per_token"] + cache_bytes_read(report, d)
             fraction = read / (bw * 1e9) * decode if read else None
             table.setdefault(name, {})[d] = {
                 "prefill_tok_s": prefill, "decode_tok_s": decode, "bytes_read": read,

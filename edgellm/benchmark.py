@@ -82,13 +82,13 @@ def bench(target, prompt_lengths=(64,), steps: int = 32, repeats: int = 3,
                 prefill_s[n] = min(prefill_s.get(n, float("inf")),
                                    timed(lambda: program.prefill(ids)))
             decode_s = min(decode_s, decode_step(program, lengths[0], steps))
-    rss = peak_rss_mb()
+    rss, report = peak_rss_mb(), report_of(pte)
     deep = at_depths(program, sorted(set(depths)), lengths[0], steps, repeats) if depths else {}
-    out = figures(pte, program, load_s, prefill_s, decode_s, rss)  # (bandwidth: 1 GB of RSS)
-    for row in deep.get("by_depth", {}).values():
-        floor = (out["weight_bytes_per_token"] + row["cache_bytes_read"]) / (
-            out["bandwidth_gbs"] * 1e9)
-        row.update(floor_ms=round(floor * 1e3, 2),
+    out = figures(pte, report, load_s, prefill_s, decode_s, rss)  # (bandwidth: 1 GB of RSS)
+    for d, row in deep.get("by_depth", {}).items():
+        cache = cache_bytes_read(report, int(d))
+        floor = (out["weight_bytes_per_token"] + cache) / (out["bandwidth_gbs"] * 1e9)
+        row.update(cache_bytes_read=cache, floor_ms=round(floor * 1e3, 2),
                    floor_fraction=round(floor * row["decode_tok_s"], 3))
     return {**out, **deep}
 
@@ -96,13 +96,10 @@ def bench(target, prompt_lengths=(64,), steps: int = 32, repeats: int = 3,
 def at_depths(program, depths: list[int], n: int, steps: int, repeats: int) -> dict:
     """Prefill of `n` tokens and decode after a context of each depth (ascending: the context is
     filled once, each depth continuing the last), best of `repeats`; peak RSS after each (cache
-    pages count once written); and the cache bytes a decode step reads there, for its floor
-    (bench): every layer's cached positions in reach, kv_cache.bytes_per_position times
-    min(depth, slots) from the export report (none where the report does not say)."""
+    pages count once written)."""
     from .memory import peak_rss_mb
     from .runtime import native_logs
 
-    layers = report_of(program.path).get("kv_cache", {}).get("layers", [])
     g = torch.Generator().manual_seed(1)
     vocab = int(program.meta.get("get_vocab_size", 1000))
     rows, filled = {}, 0
@@ -115,9 +112,8 @@ def at_depths(program, depths: list[int], n: int, steps: int, repeats: int) -> d
             ids = torch.randint(0, vocab, (n,), generator=g).tolist()
             prefill = min(timed(lambda: program.prefill(ids, d)) for _ in range(repeats))
             decode = min(decode_step(program, d, steps) for _ in range(repeats))
-            cache = sum(r["bytes_per_position"] * min(d, r["slots"]) for r in layers)
             rows[str(d)] = {"prefill_tok_s": round(n / prefill, 1),
-                            "decode_tok_s": round(1 / decode, 2), "cache_bytes_read": cache,
+                            "decode_tok_s": round(1 / decode, 2),
                             "peak_rss_mb": round(peak_rss_mb())}
     return {"depth_prompt_tokens": n, "by_depth": rows,
             **{f"{k}_by_depth": {d: r[k] for d, r in rows.items()}
@@ -130,6 +126,14 @@ def report_of(pte: Path) -> dict:
     return json.loads(report.read_text()) if report.is_file() else {}
 
 
+def cache_bytes_read(report: dict, depth: int) -> int:
+    """KV cache bytes a decode step reads after `depth` tokens: every layer's cached positions in
+    reach, kv_cache.bytes_per_position times min(depth, slots) (a ring or sink cache stops
+    growing at its slots); 0 where the report does not say."""
+    return sum(r["bytes_per_position"] * min(depth, r["slots"])
+               for r in report.get("kv_cache", {}).get("layers", []))
+
+
 def decode_step(program, start: int, steps: int) -> float:
     """Median seconds per single-token forward call from position `start`."""
     times = []
@@ -139,8 +143,8 @@ def decode_step(program, start: int, steps: int) -> float:
     return statistics.median(times)
 
 
-def figures(pte: Path, program, load_s, prefill_s, decode_s, rss) -> dict:
-    weights = report_of(pte).get("weight_bytes_per_token") or pte.stat().st_size
+def figures(pte: Path, report: dict, load_s, prefill_s, decode_s, rss) -> dict:
+    weights = report.get("weight_bytes_per_token") or pte.stat().st_size
     bw = bandwidth_gbs()
     floor_s = weights / (bw * 1e9)
     first = min(prefill_s)

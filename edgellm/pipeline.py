@@ -78,13 +78,16 @@ def process_alive(pid: int) -> bool:
     return True
 
 
-def metadata(cfg: ExportConfig, source, dynamic: bool, custom_sdpa: bool) -> dict:
-    """Constant methods ExecuTorch's LLM runner reads (see extension/llm/runner)."""
+def metadata(cfg: ExportConfig, source, plan) -> dict:
+    """Constant methods ExecuTorch's LLM runner reads (see extension/llm/runner);
+    use_sdpa_with_kv_cache says what the model is written with (portable's int8 cache writes
+    ExecuTorch's custom ops too)."""
     model_cfg = source.hf_config
+    custom = plan.model_options(cfg, source.stored_types).attention == "custom_ops"
     meta = {"get_max_seq_len": cfg.max_seq_len, "get_max_context_len": cfg.context_len,
             "get_vocab_size": model_cfg.vocab_size, "get_n_layers": model_cfg.num_hidden_layers,
-            "use_kv_cache": True, "use_sdpa_with_kv_cache": custom_sdpa,
-            "enable_dynamic_shape": dynamic}
+            "use_kv_cache": True, "use_sdpa_with_kv_cache": custom,
+            "enable_dynamic_shape": plan.dynamic_shapes}
     if source.bos_id is not None:
         meta["get_bos_id"] = int(source.bos_id)
     if source.eos_ids:
@@ -133,9 +136,7 @@ def export(cfg: ExportConfig, quiet: bool = False) -> dict:
         with stages.stage("lower"):  # patches first: they apply to the partitioners made here
             applied = patches.apply(plan.patches + LOWERING_PATCHES)
             partitioners = plan.partitioners()  # imports the backends' toolchains
-            custom = plan.model_options(cfg, source.stored_types).attention == "custom_ops"
-            meta = metadata(cfg, source, plan.dynamic_shapes, custom)  # (portable's int8 cache)
-            lowered = lower(programs, partitioners, meta, cfg.etrecord,
+            lowered = lower(programs, partitioners, metadata(cfg, source, plan), cfg.etrecord,
                             quant_fusion=cfg.embedding_quantize is not None,
                             dedupe=bool(done and done.linears_on_source_grid))
             del programs

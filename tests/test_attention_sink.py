@@ -152,10 +152,24 @@ def test_bench_measures_far_past_the_context(sink_program, capsys):
     assert r["decode_tok_s_by_depth"]["100"] > 0
 
 
-def test_generate_goes_on_past_the_context(sink_program, capsys):
-    assert main(["generate", str(sink_program[0] / "model.pte"), "--prompt", "the quick",
-                 "-n", "40"]) == 0
-    assert capsys.readouterr().out.strip()
+def test_generate_goes_on_past_the_context(sink_program, monkeypatch):
+    """`generate` asks a sink program for every token requested, positions past the context
+    included (a program without sinks gets at most max_context_len minus the prompt); the
+    tokens' positions run on from the prompt's."""
+    import edgellm.runtime as runtime
+
+    seen, real = {}, runtime.greedy
+
+    def greedy(step, prefill, ids, n, eos):
+        def counted(tokens, input_pos):
+            seen["last"] = int(input_pos[0])
+            return step(tokens, input_pos)
+        seen["n"] = n
+        yield from real(counted, prefill, ids, n, set())  # (no EOS: run every step)
+
+    monkeypatch.setattr(runtime, "greedy", greedy)
+    edgellm.generate(sink_program[0] / "model.pte", "the quick", n=40)
+    assert seen["n"] == 40 and seen["last"] > 16 + 16  # past twice the context
 
 
 @pytest.mark.parametrize("options, problem", [
