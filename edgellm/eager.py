@@ -25,6 +25,7 @@ class Eager:
     model: object  # the eager module, quantized as the program will be
     quantized: object | None  # quantize.apply.Quantized, None without a recipe
     weight_bytes: int  # of weights one decode step reads
+    parameters: dict  # {"total", "per_token"}: the model's, and those one decode step reads
     state: dict  # what the program keeps between calls, per layer (cache.state_report)
     kv_cache: dict  # the KV caches alone (cache.kv_cache_report)
 
@@ -32,6 +33,8 @@ class Eager:
 def eager_model(cfg: ExportConfig, plan, stages: Stages,
                 made: Callable[[str, object], None] = lambda stage, product: None) -> Eager:
     """Load, build and quantize as `cfg` and the backends' `plan` ask, one timed stage each."""
+    import torch
+
     from .architectures import build_model
     from .architectures.cache import kv_cache_report, state_report
     from .architectures.layers import weight_bytes
@@ -62,12 +65,17 @@ def eager_model(cfg: ExportConfig, plan, stages: Stages,
     source.state_dict = {}  # the model holds the tensors now
     drop_checkpoint_pages()  # pages of checkpoint weights the build replaced
     weights = weight_bytes(model)
+    unique = {p.data_ptr(): p for p in model.parameters()}.values()  # tied ones once
+    parameters = {"total": sum(p.numel() for p in unique),
+                  "per_token": weight_bytes(model, torch.Tensor.numel)}
     done = None
     if quantizing:
         from .quantize import quantize
 
         with stages.stage("quantize"):
-            done = quantize(model, cfg, source.stored_types)
+            first = plan.backends[0]
+            refused = first.quantized_experts and f"{first.name}: {first.quantized_experts}"
+            done = quantize(model, cfg, source.stored_types, refused)
         drop_checkpoint_pages()  # and those quantization replaced
         weights -= done.bytes_saved
         for line in [] if stages.quiet else done.notes():
@@ -76,7 +84,7 @@ def eager_model(cfg: ExportConfig, plan, stages: Stages,
     state, kv = state_report(model), kv_cache_report(model)
     if cfg.memory_budget is not None and quantizing:
         check_budget(cfg, weights, state, kv)
-    return Eager(source, model, done, weights, state, kv)
+    return Eager(source, model, done, weights, parameters, state, kv)
 
 
 def check_budget(cfg: ExportConfig, weights: int | None, state: dict, kv: dict) -> None:

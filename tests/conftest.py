@@ -100,9 +100,9 @@ def tiny_family_configs(vocab) -> dict:
     apart switched on: windows of WINDOW, per-layer-type RoPE, Granite's multipliers, Gemma's
     soft cap and attention scale, Phi's partial rotary and LongRoPE past a short original
     context (32), SmolLM3's NoPE layer, Qwen3.5's DeltaNet layer beside a gated attention one."""
-    from transformers import (Gemma3TextConfig, GraniteConfig, Lfm3Config, MinistralConfig,
-                              MistralConfig, Olmo2Config, Phi3Config, Qwen3_5TextConfig,
-                              SmolLM3Config)
+    from transformers import (Gemma3TextConfig, GraniteConfig, Lfm2MoeConfig, Lfm3Config,
+                              MinistralConfig, MistralConfig, Olmo2Config, Phi3Config,
+                              Qwen3_5TextConfig, Qwen3MoeConfig, SmolLM3Config)
 
     common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=256, bos_token_id=0,
@@ -141,11 +141,22 @@ def tiny_family_configs(vocab) -> dict:
             **common, num_hidden_layers=2, head_dim=16, linear_conv_kernel_dim=4,
             linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
             linear_value_head_dim=8, layer_types=["linear_attention", "full_attention"]),
+        # 8 experts, 2 chosen: a dense leading layer, sigmoid scores with a bias and a routed
+        # scale (LFM2-MoE); softmax scores left unnormalised and a dense layer amid the sparse
+        # ones (Qwen3-MoE). Weights of 0.1 make the routers' choices clear-cut.
+        "lfm2_moe": Lfm2MoeConfig(
+            **common, num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"],
+            num_dense_layers=1, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+            routed_scaling_factor=2.5, initializer_range=0.1),
+        "qwen3_moe": Qwen3MoeConfig(
+            **common, num_hidden_layers=3, head_dim=16, num_experts=8, num_experts_per_tok=2,
+            moe_intermediate_size=32, mlp_only_layers=[1], norm_topk_prob=False,
+            initializer_range=0.1),
     }
 
 
 FAMILIES = ("lfm3", "gemma3_text", "mistral", "ministral", "smollm3", "phi3", "granite", "olmo2",
-            "qwen3_5_text")
+            "qwen3_5_text", "lfm2_moe", "qwen3_moe")
 
 
 def q4_k_blocks(shape, seed=0):
@@ -179,6 +190,9 @@ def random_model(config):
                     p.add_(0.3 * torch.randn(p.shape))  # Gemma's are w - 1, from zeros
                 elif name.endswith(".bias"):
                     p.copy_(0.5 * torch.randn(p.shape))
+            for name, b in model.named_buffers():  # LFM2-MoE's: zeros would hide what it picks
+                if name.endswith("expert_bias"):
+                    b.copy_(0.05 * torch.randn(b.shape))
     return model
 
 

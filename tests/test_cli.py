@@ -80,7 +80,7 @@ def test_unsupported_model_type(tmp_path, capsys):
     assert main(["export", str(tmp_path / "m"), "-o", str(tmp_path / "o")]) == 2
     assert "Unsupported model_type 'falcon_h1'. Supported: lfm2, lfm3, llama, mistral, " \
         "ministral, smollm3, qwen2, qwen3, gemma3_text, gemma3, phi3, granite, olmo2, " \
-        "qwen3_5_text, qwen3_5." in \
+        "qwen3_5_text, qwen3_5, lfm2_moe, qwen3_moe." in \
         capsys.readouterr().err
 
 

@@ -359,18 +359,24 @@ def head_weight(lm: nn.Module) -> torch.Tensor:
     return head.weight if head is not None else lm.model.embed_tokens.weight
 
 
-def weight_bytes(lm: nn.Module) -> int:
-    """Bytes of weights one decode step reads: every parameter once (shared storage once), except
-    that an untied embedding table is only gathered a row at a time."""
+def weight_bytes(lm: nn.Module, size: Callable = lambda t: t.numel() * t.element_size()) -> int:
+    """Bytes of weights one decode step reads (`size` torch.Tensor.numel: parameters): every
+    parameter once (shared storage once), except that an untied embedding table is only gathered
+    a row at a time and a mixture-of-experts block's experts count as the k a token chooses."""
     seen, total = set(), 0
     embed = lm.model.embed_tokens.weight
     for name, p in lm.named_parameters():
         if p.data_ptr() in seen:
             continue
         seen.add(p.data_ptr())
-        total += p.numel() * p.element_size()
+        total += size(p)
     if head_weight(lm).data_ptr() != embed.data_ptr():
-        total -= embed.numel() * embed.element_size() - embed.shape[1] * embed.element_size()
+        total -= size(embed) * (embed.shape[0] - 1) // embed.shape[0]
+    for block in lm.modules():
+        if hasattr(block, "expert_tensors"):  # a sparse block: a token reads k experts of E
+            experts, share = block.expert_tensors()
+            every = sum(size(t) for t in experts)
+            total += int(every * share) - (every if block.bits is None else 0)
     return total
 
 

@@ -25,6 +25,7 @@ from .cache import KVCache
 from .layers import (CausalConv, ModelOptions, RMSNorm, Rope, fold_norm,
                      fuse_qk_weights, fused_qk, head_weight, run_decoder, split_heads,
                      time_major_conv)
+from .moe import SparseMoE, fold_into_experts
 from .registry import Architecture, ExecuTorchLayout, GgufLayout, layer_kinds
 
 KINDS = ("conv", "full_attention")
@@ -125,17 +126,18 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     """A conv or attention block, then the feed-forward. `attention` makes the attention (LFM3's,
-    llama.Attention with a gate); `sandwich` adds LFM3's norms after each branch."""
+    llama.Attention with a gate); `sandwich` adds LFM3's norms after each branch; `feed_forward`
+    replaces the MLP (LFM2-MoE's experts)."""
 
     def __init__(self, cfg, kind: str, opts: ModelOptions, dtype, attention=None,
-                 sandwich: bool = False):
+                 sandwich: bool = False, feed_forward: nn.Module | None = None):
         super().__init__()
         self.is_attention = kind != "conv"
         if self.is_attention:
             self.self_attn = attention() if attention else Attention(cfg, opts, dtype)
         else:
             self.conv = ShortConv(cfg, opts, dtype)
-        self.feed_forward = MLP(cfg)
+        self.feed_forward = feed_forward or MLP(cfg)  # LFM2-MoE's sparse blocks: lfm2_moe.py
         affine = not opts.fold_norms
         self.operator_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, opts.norm, affine)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, opts.norm, affine)
@@ -222,7 +224,10 @@ class Lfm2ForCausalLM(nn.Module):
                       if n != "g" or hasattr(layer.self_attn, "g_proj")] if layer.is_attention
                      else [f"{p}.conv.{n}_proj" for n in ("b", "c", "x")])
             fold_norm(sd, f"{p}.operator_norm", mixer)
-            fold_norm(sd, f"{p}.ffn_norm", [f"{p}.feed_forward.w1", f"{p}.feed_forward.w3"])
+            if isinstance(layer.feed_forward, SparseMoE):
+                fold_into_experts(sd, f"{p}.ffn_norm", f"{p}.feed_forward")
+            else:
+                fold_norm(sd, f"{p}.ffn_norm", [f"{p}.feed_forward.w1", f"{p}.feed_forward.w3"])
 
     def _fuse_qk(self, sd: dict) -> None:
         for i, layer in enumerate(self.model.layers):

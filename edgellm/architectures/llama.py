@@ -13,6 +13,7 @@ Llama 3 does; its q/k rows are then interleaved, which sources/executorch.py und
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +21,7 @@ from torch import nn
 
 from ..errors import InputError
 from .cache import KVCache
+from .moe import SparseMoE, fold_into_experts
 from .layers import (FULL, ModelOptions, RMSNorm, Rope, fold_norm, fuse_qk_weights, fused_qk,
                      head_weight, run_decoder, split_heads)
 from .registry import (Architecture, ExecuTorchLayout, GgufLayout, layer_kinds,
@@ -97,6 +99,9 @@ class Variant:
     # "head", one per head (LFM3); "element", one per output element (Qwen3.5)
     gate: str | None = None
     rotary: str = "llama.modeling_llama:LlamaRotaryEmbedding"
+    # (config, layer index) -> that layer's feed-forward where it is not the MLP, else None
+    # (Qwen3-MoE's sparse blocks, moe.SparseMoE)
+    ffn: Callable | None = None
 
 
 # norm slot -> transformers' name, per layout: before or after the attention and feed-forward
@@ -258,6 +263,9 @@ class Backbone(nn.Module):
                          None if nope is not None and not nope[i] else
                          kinds[i] if kinds[i] in ropes else FULL)
             for i, window in enumerate(layer_windows(cfg)))
+        if variant.ffn:
+            for i, layer in enumerate(self.layers):
+                layer.mlp = variant.ffn(cfg, i) or layer.mlp
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, opts.norm)
 
 
@@ -342,7 +350,9 @@ class LlamaForCausalLM(nn.Module):
                 fold_norm(sd, f"{p}.{norms['attn_pre']}",
                           [f"{p}.self_attn.{n}_proj" for n in "qkvg"
                            if n != "g" or hasattr(layer.self_attn, "g_proj")])
-            if "ffn_pre" in norms:
+            if "ffn_pre" in norms and isinstance(layer.mlp, SparseMoE):
+                fold_into_experts(sd, f"{p}.{norms['ffn_pre']}", f"{p}.mlp")
+            elif "ffn_pre" in norms:
                 fold_norm(sd, f"{p}.{norms['ffn_pre']}",
                           [f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"])
 

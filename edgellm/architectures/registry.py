@@ -16,12 +16,14 @@ from ..errors import InputError
 MODULES = {"lfm2": "lfm2", "lfm3": "lfm3", "llama": "llama", "mistral": "mistral",
            "ministral": "mistral", "smollm3": "smollm3", "qwen2": "qwen2", "qwen3": "qwen3",
            "gemma3_text": "gemma3", "gemma3": "gemma3", "phi3": "phi3", "granite": "granite",
-           "olmo2": "olmo2", "qwen3_5_text": "qwen3_5", "qwen3_5": "qwen3_5"}
+           "olmo2": "olmo2", "qwen3_5_text": "qwen3_5", "qwen3_5": "qwen3_5",
+           "lfm2_moe": "lfm2_moe", "qwen3_moe": "qwen3_moe"}
 NAMES = tuple(MODULES)
-_MOE = "a mixture-of-experts model: edgellm has no MoE architecture yet"
+_MOE = ("a mixture-of-experts model edgellm has no architecture for; lfm2_moe and qwen3_moe "
+        "export")
 # HF model_types edgellm refuses, with why (anything else is simply unknown)
 REFUSED_TYPES = {
-    **dict.fromkeys(("lfm2_moe", "qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "granitemoe",
+    **dict.fromkeys(("qwen2_moe", "mixtral", "olmoe", "granitemoe",
                      "granitemoehybrid", "phimoe", "deepseek_v3", "gpt_oss"), _MOE),
     "qwen3_next": "Qwen3-Next (gated DeltaNet layers with mixture-of-experts feed-forwards): "
                   "edgellm has no qwen3_next architecture; Qwen3.5 (qwen3_5) exports",
@@ -93,6 +95,9 @@ class Architecture:
     # a folder's (config, state dict) -> its text decoder's, which is what exports: a multimodal
     # folder's text tower, a text folder without its multi-token-prediction head
     tower: Callable | None = field(default=None, repr=False)
+    # (config, state dict under transformers' names) -> the same with what transformers' loader
+    # merges beyond names merged: mixture-of-experts layers' one tensor per expert stacked
+    merge: Callable | None = field(default=None, repr=False)
 
 
 def text_tensors(state_dict: dict, names: tuple) -> dict:

@@ -40,6 +40,9 @@ class Backend:
     # KV cache dtypes besides the model's (config.KV_CACHES) as the first backend of a chain:
     # dtype -> `writing` fields that change with it (it has kernels), or the reason it has none
     kv_caches: dict = field(default_factory=dict)
+    # Why it cannot take a mixture-of-experts model's quantized experts (ExecuTorch's
+    # llama::quantized_moe_ffn, a CPU kernel beside the delegates) as the first backend, or None
+    quantized_experts: str | None = None
     # Chains: False for a backend that delegates nothing (it cannot be chained); why it must
     # come last when it must ("what <the backends after it> would see").
     delegates: bool = True

@@ -190,6 +190,11 @@ BACKEND = Backend(
                        "kernel that coremltools cannot convert, and Core ML has no int8 "
                        "attention; its caches are fp16 (precision) and `coreml.state: coreml` "
                        "keeps them inside Core ML"},
+    quantized_experts=(
+        "Core ML would hold quantized experts as constants it dequantizes whole (every expert "
+        "in fp16), and ExecuTorch's llama::quantized_moe_ffn runs outside Core ML, which would "
+        "cut the model into a delegate per layer; export without --quantize (float experts, "
+        "gathered per token inside one Core ML delegate) or for xnnpack with 8da4w"),
     patches=("coreml",),
     from_executorch=_from_executorch,
     inspect_delegates=_inspect,

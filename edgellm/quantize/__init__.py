@@ -5,11 +5,13 @@
 - `plan.py`: the bits and group of every linear and table, decided from the recipe and from what
   the source stored (a GGUF's 4-bit grids and the tensors it spared at higher precision);
 - `grid.py`: a source's 4-bit grids found in its weights and kept exactly (`GridLinear`);
-- `apply.py`: the plan applied with torchao's `quantize_`, and what was done (`Quantized`).
+- `apply.py`: the plan applied with torchao's `quantize_`, and what was done (`Quantized`);
+- `experts.py`: mixture-of-experts weights packed for ExecuTorch's `llama::quantized_moe_ffn`.
 
-Nothing quantizes by hand, and the lowering path does not change: ExecuTorch's backends take
-torchao's quantized linears and embeddings as they are. Importing this package (or recipes.py)
-does not import torch.
+Linears and tables are quantized by torchao alone, and the lowering path does not change:
+ExecuTorch's backends take torchao's quantized linears and embeddings as they are. Experts are
+quantized with torchao's primitives and packed in torchao's layout by hand (experts.py says
+why). Importing this package (or recipes.py) does not import torch.
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ __all__ = ["RECIPES", "Recipe", "accuracy_bounds", "group_of", "parse_embedding"
            "quantize"]
 
 
-def quantize(model, cfg, stored: dict | None = None):
+def quantize(model, cfg, stored: dict | None = None, experts_refused: str | None = None):
     """Quantize `model` in place as cfg asks (apply.quantize); returns what was done."""
     from .apply import quantize as run
 
-    return run(model, cfg, stored)
+    return run(model, cfg, stored, experts_refused)

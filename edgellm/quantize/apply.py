@@ -10,6 +10,7 @@ from torch import nn
 
 from .. import patches
 from ..memory import drop_checkpoint_pages
+from .experts import quantize_experts
 from .grid import keep_grids, packed_bytes
 from .plan import Plan, embedding_name, plan
 from .recipes import torchao_config
@@ -32,11 +33,13 @@ class Quantized:
     linears_left_float: list = field(default_factory=list)  # inputs the group does not divide
     linears_on_source_grid: int = 0  # 4-bit grids kept exactly (GGUF Q4_0 / Q4_1 / Q4_K)
     linears_at_8_bits: list = field(default_factory=list)  # the source stores them above 4 bits
+    expert_blocks_packed: int = 0  # sparse blocks whose experts llama::quantized_moe_ffn runs
     embeddings_stored_as: str | None = None  # the source's type that kept the table at 8 bits
     patches: dict = field(default_factory=dict)  # {name: "on" or why not}: report.json's `patches`
 
     def report(self) -> dict:
-        return {k: v for k, v in asdict(self).items() if k not in ("bytes_saved", "patches")}
+        return {k: v for k, v in asdict(self).items() if k not in ("bytes_saved", "patches")
+                and (v or k != "expert_blocks_packed")}  # the last for mixture-of-experts only
 
     def notes(self) -> list[str]:
         """Lines for stderr: linears left in float (a warning), grids kept, 8-bit exceptions."""
@@ -62,15 +65,17 @@ class Quantized:
 
 
 @torch.no_grad()
-def quantize(model, cfg, stored: dict | None = None) -> Quantized:
+def quantize(model, cfg, stored: dict | None = None,
+             experts_refused: str | None = None) -> Quantized:
     """Quantize the model's nn.Linear weights (cfg.quantize) and nn.Embedding tables
     (cfg.embedding_quantize) in place, as `plan.plan` decides; `stored` maps HF parameter names
-    to the source's storage types (GGUF). Returns what was done and how many bytes a decode step
-    reads fewer (float weights replaced by packed ones and one fp32 scale per group; an
-    embedding step reads one row either way, unless the head is the table). Without autograd, as
-    torch.export runs: the float weights require grad, and autograd recorded every op of HQQ's
-    twenty passes (the same values, 3 to 8 times slower on Phi-4-mini's linears)."""
-    todo = plan(model, cfg, stored)
+    to the source's storage types (GGUF); `experts_refused` as plan.plan's. Returns what was
+    done and how many bytes a decode step reads fewer (float weights replaced by packed ones and
+    one fp32 scale per group; an embedding step reads one row either way, unless the head is the
+    table). Without autograd, as torch.export runs: the float weights require grad, and autograd
+    recorded every op of HQQ's twenty passes (the same values, 3 to 8 times slower on
+    Phi-4-mini's linears)."""
+    todo = plan(model, cfg, stored, experts_refused)
     done = Quantized(todo.recipe, todo.group, todo.embeddings,
                      linears_left_float=list(todo.left_float),
                      linears_at_8_bits=list(todo.at_8_bits),
@@ -84,6 +89,9 @@ def quantize(model, cfg, stored: dict | None = None) -> Quantized:
     done.linears_on_source_grid = len(kept)
     done.bytes_saved += sum(saved for _, saved in kept) + _quantize_linears(model, todo)
     done.linears_quantized = len(todo.linears)
+    if todo.experts:
+        done.expert_blocks_packed, saved = quantize_experts(model, *todo.experts)
+        done.bytes_saved += saved
     return done
 
 

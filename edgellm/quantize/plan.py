@@ -33,6 +33,7 @@ class Plan:
     embeddings: str | None = None  # the table recipe as given, or as the source made it
     embeddings_stored_as: str | None = None  # the source's type that kept the table at 8 bits
     head_in_table: bool = False  # the head is the table: decode reads all of it
+    experts: tuple | None = None  # (bits, group) of mixture-of-experts blocks' experts
 
 
 def stored_bits(kind: str | None) -> int | None:
@@ -70,9 +71,10 @@ def embedding_name(model) -> str | None:
     return next((n for n, m in model.named_modules() if isinstance(m, nn.Embedding)), None)
 
 
-def plan(model, cfg, stored: dict | None = None) -> Plan:
+def plan(model, cfg, stored: dict | None = None, experts_refused: str | None = None) -> Plan:
     """The plan for `model` under cfg.quantize / cfg.embedding_quantize; `stored` maps HF
-    parameter names to the source's storage types (GGUF). Raises InputError when the recipe
+    parameter names to the source's storage types (GGUF); `experts_refused`: "<backend>: why"
+    the backend writing the model takes no quantized experts. Raises InputError when the recipe
     would quantize nothing."""
     types = source_types(model, stored or {})
     four_bit = any((stored_bits(t) or 99) <= 4 for n, t in types.items() if n != "embedding")
@@ -99,6 +101,7 @@ def plan(model, cfg, stored: dict | None = None) -> Plan:
         if spared:
             higher.append((module.weight.numel() < largest, name))
     out.at_8_bits += [name for _, name in sorted(higher, key=lambda h: h[0])]  # largest first
+    out.experts = _plan_experts(model, recipe.bits, out.group, experts_refused)
     if not out.linears:
         raise InputError(f"quantize: no linear layer's input width is a multiple of group_size "
                          f"{out.group}; choose a group size that divides the hidden size, or 0 "
@@ -129,3 +132,19 @@ def _plan_tables(out: Plan, model, cfg, recipe, types: dict, four_bit: bool) -> 
     if group and widths and all(w % group for w in widths):
         raise InputError(f"embedding_quantize: group {group} does not divide the embedding "
                          "width; choose a group that divides the hidden size, or 0 per row")
+
+
+def _plan_experts(model, bits: int, group: int, refused: str | None) -> tuple | None:
+    """(bits, group) for every sparse block's experts (llama::quantized_moe_ffn takes 4 or 8 bits
+    per group, one group for both matrices), or None without such blocks; InputError where the
+    op, or the backend that writes the model (`refused`: why it cannot), cannot take them."""
+    from ..architectures.moe import SparseMoE, quantizable
+
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoE)]
+    if blocks and refused:
+        raise InputError(f"quantize: mixture-of-experts layers on {refused}")
+    why = next((w for w in (quantizable(b, group) for b in blocks) if w), None)
+    if why:
+        raise InputError(f"quantize: the experts go through ExecuTorch's llama::quantized_moe_ffn, "
+                         f"and {why}; choose a group_size that divides both (32 or 64 usually)")
+    return (bits, group) if blocks else None

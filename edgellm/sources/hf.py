@@ -115,6 +115,9 @@ def load_hf_folder(folder: Path) -> Source:
                          f"{read - len(state)} tensors of its other parts (vision tower, "
                          "projector, multi-token prediction) are left out")
     state = transformers_names(cfg.model_type, state)
+    merge = architecture(cfg.model_type).merge
+    if merge is not None:
+        state = merge(cfg, state)
     eos = _ids(getattr(cfg, "eos_token_id", None))
     gen = folder / "generation_config.json"
     if gen.is_file():

@@ -1,0 +1,72 @@
+"""One mixture-of-experts layer's call, by formulation, at LFM2-8B-A1B's shape by default (32
+experts of 1792 over a hidden size of 2048, 4 chosen): ExecuTorch's `llama::quantized_moe_ffn`
+with 4-bit experts (the kernel an 8da4w program runs), the float experts gathered per token
+(edgellm's formulation without a recipe), and the floor: the chosen experts' packed bytes at the
+measured bandwidth. Decode (1 token) and a prompt chunk. Best of 5 calls each; the op is the same
+C++ kernel the runtime runs (its ATen registration).
+
+usage: python bench/moe_kernels.py [--shape 32,4,2048,1792] [--tokens 1,4] [--threads 2]
+"""
+
+import argparse
+import json
+import time
+
+import torch
+
+import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401  llama:: kernels
+from edgellm.architectures.moe import Routing, SparseMoE
+from edgellm.quantize.experts import pack_experts
+
+
+def best_ms(fn, calls: int = 5) -> float:
+    fn()
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times) * 1e3
+
+
+def bandwidth_gbs(nbytes: int = 1 << 30) -> float:
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / best_ms(lambda: dst.copy_(src)) / 1e6
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", default="32,4,2048,1792", help="experts, chosen, hidden, width")
+    p.add_argument("--tokens", default="1,4")
+    p.add_argument("--group", type=int, default=32)
+    p.add_argument("--threads", type=int, default=2)
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+    e, k, d, f = map(int, a.shape.split(","))
+    block = SparseMoE(Routing("sigmoid", e, k, True, bias=True), d, f).eval()
+    with torch.no_grad():
+        for t in block.parameters():
+            t.copy_(torch.randn(t.shape) * 0.02)
+        gathered = {}
+        xs = {n: torch.randn(n, d) for n in map(int, a.tokens.split(","))}
+        for n, x in xs.items():
+            gathered[n] = best_ms(lambda: block(x))
+        block.use_packed(pack_experts(block.experts.gate_up_proj, 4, a.group),
+                         pack_experts(block.experts.down_proj, 4, a.group), 4, a.group)
+        chosen = (block.packed_w13.nbytes + block.packed_w2.nbytes) * k // e
+        gbs = bandwidth_gbs()
+        rows = []
+        for n, x in xs.items():
+            op = best_ms(lambda: block(x))
+            rows.append({"tokens": n, "op_4bit_ms": round(op, 2),
+                         "gathered_fp32_ms": round(gathered[n], 2),
+                         "floor_ms_decode": round(chosen / gbs / 1e6, 3)})
+            print(f"{n:4d} tokens: op 4-bit {op:8.2f} ms   float gathered {gathered[n]:8.2f} ms   "
+                  f"floor (chosen experts' 4-bit bytes, one token) {chosen / gbs / 1e6:.3f} ms")
+    print(json.dumps({"shape": [e, k, d, f], "group": a.group, "threads": a.threads,
+                      "bandwidth_gbs": round(gbs, 1), "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()

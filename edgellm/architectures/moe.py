@@ -1,0 +1,172 @@
+"""Mixture-of-experts feed-forwards (LFM2-MoE, Qwen3-MoE): a router picks each token's top-k
+experts, each a SwiGLU feed-forward, and their outputs are summed with the routing weights.
+
+Routing is transformers' exactly (`Routing`): sigmoid scores with a per-expert bias that shifts
+only the choice (LFM2-MoE) or softmax over every expert (Qwen3-MoE); the chosen weights
+normalised to sum 1 where the config says so (`norm_topk_prob`), then times
+`routed_scaling_factor`. Two formulations of the same sum, neither computing an expert a token
+did not choose:
+- "gather" (float experts): the chosen experts' weights gathered per token (`W[idx]`) and
+  multiplied as one batched matmul; a decode step reads k experts of E.
+- "op" (4- or 8-bit experts, once `quantize_experts` has packed them): ExecuTorch's
+  `llama::quantized_moe_ffn`, which routes, runs the chosen experts from torchao-packed blobs and
+  sums, in one CPU kernel beside the delegates. The op always normalises the chosen weights;
+  where the model does not, the program multiplies by their sum (routed again, in float).
+
+Parameters keep transformers' module names: `gate.weight` (E, D) is the router (a plain
+Parameter, so a linear recipe leaves it float: the choice of experts is where rounding costs
+most), `experts.gate_up_proj` (E, 2F, D) and `experts.down_proj` (E, D, F) the experts, stacked
+at load time (`stack_experts`) from the checkpoint's one tensor per expert, as transformers'
+loader does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import InputError
+
+
+@dataclass(frozen=True)
+class Routing:
+    """How a family routes: "sigmoid" or "softmax" scores; the chosen weights normalised (with
+    `eps` in the divisor, as the family writes it) and scaled."""
+
+    score: str
+    experts: int
+    top_k: int
+    normalise: bool
+    scale: float = 1.0
+    eps: float = 0.0
+    bias: bool = False  # a per-expert bias added to the scores for the choice only
+
+
+class Router(nn.Module):
+    def __init__(self, experts: int, hidden: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(experts, hidden))
+
+
+class Experts(nn.Module):
+    def __init__(self, experts: int, hidden: int, width: int):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * width, hidden))
+        self.down_proj = nn.Parameter(torch.empty(experts, hidden, width))
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, routing: Routing, hidden: int, width: int):
+        super().__init__()
+        self.routing, self.hidden, self.width = routing, hidden, width
+        self.gate = Router(routing.experts, hidden)
+        self.experts = Experts(routing.experts, hidden, width)
+        if routing.bias:  # a buffer in transformers; a Parameter here so that it loads by name
+            self.expert_bias = nn.Parameter(torch.empty(routing.experts), requires_grad=False)
+        self.bits = None  # 4 or 8 once quantize_experts packed the experts for the op
+        self.group = None
+
+    def route(self, x):
+        """x (N, D) -> the chosen experts' weights (N, k) and indices (N, k), as transformers."""
+        r = self.routing
+        logits = F.linear(x, self.gate.weight)  # (N, E)
+        if r.score == "sigmoid":
+            scores = logits.sigmoid()
+            pick = scores + self.expert_bias.float() if r.bias else scores
+            idx = torch.topk(pick, r.top_k, dim=-1).indices
+            weights = torch.gather(scores, -1, idx)
+        else:
+            weights, idx = torch.topk(torch.softmax(logits.float(), dim=-1), r.top_k, dim=-1)
+        if r.normalise:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + r.eps)
+        return (weights * r.scale if r.scale != 1.0 else weights).to(x.dtype), idx
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.reshape(-1, self.hidden)  # (N, D): a call's tokens, or the last one
+        out = self._op(x) if self.bits else self._gather(x)
+        return out.view(shape)
+
+    def _gather(self, x):
+        weights, idx = self.route(x)
+        up = self.experts.gate_up_proj[idx]  # (N, k, 2F, D): the chosen experts only
+        h = (up @ x[:, None, :, None]).squeeze(-1)  # (N, k, 2F)
+        gate, lin = h.split(self.width, dim=-1)
+        h = F.silu(gate) * lin  # (N, k, F)
+        y = (self.experts.down_proj[idx] @ h.unsqueeze(-1)).squeeze(-1)  # (N, k, D)
+        return (y * weights.unsqueeze(-1)).sum(dim=1)
+
+    def _op(self, x):
+        r = self.routing
+        bias = self.expert_bias.float() if r.bias else x.new_zeros(0, dtype=torch.float32)
+        out = torch.ops.llama.quantized_moe_ffn(
+            x.float(), self.gate.weight.float(), bias, self.packed_w13, self.packed_w2, r.top_k,
+            r.experts, self.width, self.hidden, self.group, self.bits, r.score, r.scale)
+        if not r.normalise:  # the op normalised the chosen weights; undo it with their sum
+            weights, _ = self.route(x.float())
+            out = out * (weights.sum(dim=-1, keepdim=True) / r.scale)
+        return out.to(x.dtype)
+
+    def use_packed(self, w13: torch.Tensor, w2: torch.Tensor, bits: int, group: int) -> None:
+        """Run the experts through `llama::quantized_moe_ffn` from torchao-packed blobs (E, bytes)
+        (quantize/experts.py), dropping the float ones."""
+        from executorch.extension.llm.custom_ops import custom_ops  # noqa: F401  (registers it)
+
+        del self.experts
+        self.register_buffer("packed_w13", w13)
+        self.register_buffer("packed_w2", w2)
+        self.bits, self.group = bits, group
+
+    def expert_tensors(self) -> tuple[list, float]:
+        """The experts' tensors (float Parameters, or packed buffers once quantized) and the share
+        of them a token reads (k / E)."""
+        if self.bits:
+            return [self.packed_w13, self.packed_w2], self.routing.top_k / self.routing.experts
+        return ([self.experts.gate_up_proj, self.experts.down_proj],
+                self.routing.top_k / self.routing.experts)
+
+
+def quantizable(module: SparseMoE, group: int) -> str | None:
+    """Why `llama::quantized_moe_ffn` cannot take these experts at `group`, or None."""
+    if not group:
+        return ("the op's experts are quantized per group; per-channel (group 0) has no "
+                "group the hidden and expert widths share")
+    if group % 16:
+        return f"group_size {group} is no multiple of 16 (torchao's packed layout)"
+    bad = [f"{name} {width}" for name, width in (("hidden size", module.hidden),
+                                                 ("expert width", module.width)) if width % group]
+    return f"group_size {group} does not divide the {' and the '.join(bad)}" if bad else None
+
+
+def stack_experts(sd: dict, prefix: str, experts: int, names: tuple[str, str, str]) -> None:
+    """The checkpoint's experts, one tensor each (`prefix.experts.N.<gate>.weight`, up, down as
+    `names`), stacked into `prefix.experts.gate_up_proj` (E, 2F, D) and `down_proj` (E, D, F);
+    a state dict already stacked is left as it is."""
+    gate, up, down = names
+    keys = [[f"{prefix}.experts.{e}.{n}.weight" for n in names] for e in range(experts)]
+    found = [k for row in keys for k in row if k in sd]
+    if not found:
+        return
+    missing = [k for row in keys for k in row if k not in sd]
+    if missing:
+        raise InputError(f"Checkpoint lacks {', '.join(missing[:4])}"
+                         f"{' and more' if len(missing) > 4 else ''}: the config has {experts} "
+                         "experts per layer. Check that the weights and config.json come from "
+                         "the same model.")
+    sd[f"{prefix}.experts.gate_up_proj"] = torch.stack(
+        [torch.cat([sd.pop(g), sd.pop(u)]) for g, u, _ in keys])
+    sd[f"{prefix}.experts.down_proj"] = torch.stack([sd.pop(d) for _, _, d in keys])
+
+
+def fold_into_experts(sd: dict, norm: str, prefix: str) -> None:
+    """layers.fold_norm for a sparse block: the norm before it feeds the router and every
+    expert's gate and up rows, so its weight folds into their input columns (exact in float)."""
+    from .layers import fold_norm
+
+    experts = f"{prefix}.experts.gate_up_proj"
+    if f"{norm}.weight" in sd and experts in sd:
+        sd[experts] = sd[experts].float() * sd[f"{norm}.weight"].float()  # (E, 2F, D) * (D,)
+    fold_norm(sd, norm, [f"{prefix}.gate"])  # the router, and the norm's weight dropped

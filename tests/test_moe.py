@@ -1,0 +1,161 @@
+"""Mixture-of-experts (architectures/moe.py, quantize/experts.py): float experts gathered per
+token climb the families' parity ladder (test_families.py, conftest.FAMILIES); here, the 4- and
+8-bit experts ExecuTorch's `llama::quantized_moe_ffn` runs from torchao-packed blobs, the
+programs that carry it, what a token reads, and what the op cannot take."""
+
+import pytest
+import torch
+
+from conftest import LONG, assert_logits_close
+from edgellm.architectures.moe import Routing, SparseMoE
+from edgellm.cli import main
+from edgellm.quantize.experts import pack_experts, symmetric
+
+ROUTINGS = {  # LFM2-MoE's and Qwen3-MoE's, and each with the other's normalisation
+    "sigmoid-bias": Routing("sigmoid", 8, 3, True, 2.5, eps=1e-6, bias=True),
+    "sigmoid-raw": Routing("sigmoid", 8, 3, False, 1.5, bias=True),
+    "softmax-raw": Routing("softmax", 8, 3, False),
+    "softmax-normalised": Routing("softmax", 8, 3, True),
+}
+
+
+def random_block(routing: Routing, hidden=64, width=128, seed=0) -> SparseMoE:
+    g = torch.Generator().manual_seed(seed)
+    block = SparseMoE(routing, hidden, width)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * (0.05 if p.dim() == 1 else 0.3))
+    return block.eval()
+
+
+def on_grid(w: torch.Tensor, bits: int, group: int) -> torch.Tensor:
+    """Stacked expert matrices replaced by the values their quantization stands for."""
+    out = []
+    for m in w:
+        q, s = symmetric(m, bits, group)
+        out.append((q.float().view(m.shape[0], -1, group) * s[..., None]).view(m.shape))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("name", ROUTINGS)
+@pytest.mark.parametrize("bits, group", [(4, 32), (8, 64)])
+def test_packed_experts_in_the_op_equal_the_float_experts_on_their_grid(name, bits, group):
+    """The op with our blobs computes what the gathered float formulation computes on the
+    quantized values: the layout, the routing contract (bias for the choice only, the op's
+    normalisation undone where the model does not normalise) and the scale all agree."""
+    block = random_block(ROUTINGS[name])
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        w13, w2 = block.experts.gate_up_proj.clone(), block.experts.down_proj.clone()
+        block.experts.gate_up_proj.copy_(on_grid(w13, bits, group))
+        block.experts.down_proj.copy_(on_grid(w2, bits, group))
+        expected = block(x)
+        block.use_packed(pack_experts(w13, bits, group), pack_experts(w2, bits, group), bits,
+                         group)
+        for rows in (x, x[:1]):  # a prompt's tokens, and a decode step
+            actual = block(rows)
+            scale = expected[:len(rows)].abs().max()
+            assert (actual - expected[:len(rows)]).abs().max() <= 1e-5 * scale, name
+
+
+def test_a_wrong_layout_does_not_pass_for_the_right_one():
+    """The comparison above has teeth: the experts' blobs one expert out of place change it."""
+    block = random_block(ROUTINGS["softmax-normalised"])
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = block(x)
+        w13 = pack_experts(block.experts.gate_up_proj, 8, 32)
+        block.use_packed(w13.roll(1, dims=0), pack_experts(block.experts.down_proj, 8, 32), 8, 32)
+        assert (block(x) - expected).abs().max() > 0.1 * expected.abs().max()
+
+
+@pytest.fixture(scope="module")
+def quantized(exported):
+    # verification's bounds are a real model's: a tiny random one's routers flip under 8da4w
+    return exported("lfm2_moe", quantize="8da4w", group_size=32, verify=False, etrecord=False,
+                    **LONG)
+
+
+def test_4bit_program_runs_the_chosen_experts_in_executorchs_op(quantized, tiny_models):
+    """An 8da4w export: the attention, conv and dense layers in XNNPACK, each sparse block one
+    `llama::quantized_moe_ffn` beside them; the program follows its eager model (the same
+    blobs through the op's ATen kernel) greedily, a prompt then a token per call."""
+    from edgellm.config import ExportConfig
+    from edgellm.backends import plan_for
+    from edgellm.eager import eager_model
+    from edgellm.progress import Stages
+    from edgellm.runtime import Program
+
+    folder, report = quantized
+    assert report["quantization"]["expert_blocks_packed"] == 2  # layers 1 and 2 of 3
+    ops = report["methods"]["forward"]["delegation"]["by_op"]
+    assert ops["llama_quantized_moe_ffn_default"] == {"delegated": 0, "non_delegated": 2}
+    cfg = ExportConfig(model=tiny_models["lfm2_moe"][0], quantize="8da4w", group_size=32, **LONG)
+    model = eager_model(cfg, plan_for(cfg), Stages(quiet=True)).model
+    program = Program(folder / "model.pte")
+    ids, pos = [5, 17, 42, 99, 3, 64, 128], 0
+    with torch.no_grad():
+        for _ in range(8):
+            step = torch.tensor([ids[pos:]])
+            want = model(step, torch.tensor([pos]))[0]
+            got = program.forward(step, torch.tensor([pos]))[0]
+            assert int(got.argmax()) == int(want.argmax())
+            pos = len(ids)
+            ids.append(int(want.argmax()))
+
+
+def test_a_token_reads_its_chosen_experts_only(quantized):
+    """report.json: the parameters a token reads leave out the experts it did not choose (2
+    sparse blocks of 8 experts of 3 x 32 x 64, 2 chosen), and so do the bytes."""
+    _, report = quantized
+    unread = 2 * (8 - 2) * 3 * 32 * 64
+    assert report["parameters"]["total"] - report["parameters"]["per_token"] == unread
+    # 4-bit experts packed with a scale and a sum per 32: 0.5 + 8 / 32 bytes a weight, 6 of 8
+    # experts left out; the rest (embedding, attention, conv) is what it was
+    assert report["weight_bytes_per_token"] < report["parameters"]["per_token"]
+
+
+@pytest.mark.parametrize("group, why", [
+    (64, "group_size 64 does not divide the expert width 32"),
+    (0, "per-channel"),
+])
+def test_experts_the_op_cannot_take_are_refused(tiny_models, tmp_path, capsys, group, why):
+    folder = tiny_models["lfm2_moe"][0]
+    code = main(["export", str(folder), "-o", str(tmp_path / "o"), "--quantize", "8da4w",
+                 "--group-size", str(group), "--max-seq-len", "16", "--max-context-len", "48",
+                 "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2 and "llama::quantized_moe_ffn" in err and why in err, err
+    assert not (tmp_path / "o").exists()  # refused before anything was written
+
+
+def test_coreml_takes_float_experts_whole_and_refuses_quantized_ones(exported, tiny_models,
+                                                                     tmp_path, capsys):
+    """Float experts gathered per token: the router's top-k, the gathers and the experts all
+    inside Core ML's one delegate. Quantized ones would be dequantized whole or leave Core ML at
+    every layer: refused with the reason, before anything is written."""
+    _, report = exported("lfm2_moe", backends="coreml", verify=False, etrecord=False, **LONG)
+    d = report["methods"]["forward"]["delegation"]
+    assert d["subgraphs"] == 1 and d["non_delegated_compute_nodes"] == 0
+    code = main(["export", str(tiny_models["lfm2_moe"][0]), "-o", str(tmp_path / "o"),
+                 "--backend", "coreml", "--quantize", "4w", "--group-size", "32",
+                 "--max-seq-len", "16", "--max-context-len", "48", "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2 and "mixture-of-experts layers on coreml" in err
+    assert "dequantizes whole" in err and not (tmp_path / "o").exists()
+
+
+def test_float_expert_program_matches_transformers(exported, tiny_models):
+    """The XNNPACK program with float experts (the gathers and top-k in ExecuTorch's kernels,
+    the matmuls delegated) against transformers: a prompt, ten tokens a call each, 16 in one
+    call, then one (Qwen3-MoE's unnormalised softmax weights, a dense layer between)."""
+    from test_families import ladder_run, transformers_run
+
+    from edgellm.runtime import Program
+
+    prompt = [int(x) for x in torch.randint(2, 160, (12,),
+                                            generator=torch.Generator().manual_seed(0))]
+    tokens, expected = transformers_run(tiny_models["qwen3_moe"][1], prompt)
+    folder, _ = exported("qwen3_moe", verify=False, etrecord=False, **LONG)
+    rows, actual = ladder_run(Program(folder / "model.pte").forward, prompt, tokens)
+    assert_logits_close(actual, expected[rows], atol=1e-4, what="qwen3_moe program")
