@@ -10,23 +10,13 @@ usage: python bench/moe_kernels.py [--shape 32,4,2048,1792] [--tokens 1,4] [--th
 
 import argparse
 import json
-import time
 
-import torch
+from sdpa_kernels import best_ms  # sets OMP_NUM_THREADS=1 before torch loads; --threads sets it
 
-import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401  llama:: kernels
-from edgellm.architectures.moe import Routing, SparseMoE
-from edgellm.quantize.experts import pack_experts
+import torch  # noqa: E402
 
-
-def best_ms(fn, calls: int = 5) -> float:
-    fn()
-    times = []
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times) * 1e3
+from edgellm.architectures.moe import Routing, SparseMoE  # noqa: E402
+from edgellm.quantize.experts import pack_experts  # noqa: E402
 
 
 def bandwidth_gbs(nbytes: int = 1 << 30) -> float:
