@@ -104,10 +104,11 @@ class SparseMoE(nn.Module):
         bias = self.expert_bias.float() if r.bias else x.new_zeros(0, dtype=torch.float32)
         out = torch.ops.llama.quantized_moe_ffn(
             x.float(), self.gate.weight.float(), bias, self.packed_w13, self.packed_w2, r.top_k,
-            r.experts, self.width, self.hidden, self.group, self.bits, r.score, r.scale)
-        if not r.normalise:  # the op normalised the chosen weights; undo it with their sum
+            r.experts, self.width, self.hidden, self.group, self.bits, r.score,
+            r.scale if r.normalise else 1.0)
+        if not r.normalise:  # the op normalised the chosen weights: times their (scaled) sum
             weights, _ = self.route(x.float())
-            out = out * (weights.sum(dim=-1, keepdim=True) / r.scale)
+            out = out * weights.sum(dim=-1, keepdim=True)
         return out.to(x.dtype)
 
     def use_packed(self, w13: torch.Tensor, w2: torch.Tensor, bits: int, group: int) -> None:
