@@ -29,6 +29,11 @@ class Eager:
     state: dict  # what the program keeps between calls, per layer (cache.state_report)
     kv_cache: dict  # the KV caches alone (cache.kv_cache_report)
 
+    @property
+    def weights_read(self) -> dict:
+        """report.json's weight_bytes_per_token and parameters."""
+        return {"weight_bytes_per_token": self.weight_bytes, "parameters": self.parameters}
+
 
 def eager_model(cfg: ExportConfig, plan, stages: Stages,
                 made: Callable[[str, object], None] = lambda stage, product: None) -> Eager:

@@ -158,8 +158,7 @@ def export(cfg: ExportConfig, quiet: bool = False) -> dict:
                 delegates = inspect_delegates(plan, tmp / "model.pte", lowered.states)
         pte_bytes = (tmp / "model.pte").stat().st_size
         rep = build_report(cfg, plan, source, lowered, stages, (files, pte_bytes))
-        rep["delegates"], rep["weight_bytes_per_token"] = delegates, eager.weight_bytes
-        rep["parameters"] = eager.parameters
+        rep.update(eager.weights_read, delegates=delegates)
         rep["state"], rep["kv_cache"] = eager.state, {**eager.kv_cache, **settled}
         rep["patches"] = {**(done.patches if done else {}), **applied}
         if done:
