@@ -104,15 +104,31 @@ def test_4bit_program_runs_the_chosen_experts_in_executorchs_op(quantized, tiny_
             ids.append(int(want.argmax()))
 
 
-def test_a_token_reads_its_chosen_experts_only(quantized):
+def test_a_token_reads_its_chosen_experts_only(quantized, tiny_models):
     """report.json: the parameters a token reads leave out the experts it did not choose (2
-    sparse blocks of 8 experts of 3 x 32 x 64, 2 chosen), and so do the bytes."""
+    sparse blocks of 8 experts of 3 x 32 x 64, 2 chosen), and so do the bytes: packing the
+    experts saves a decode step the float bytes of its 2 chosen experts less 2/8 of the 8 packed
+    blobs, each blob's size from torchao's layout (a 64-byte header; per row, K/2 bytes of 4-bit
+    values and a float32 scale and int32 sum per group of 32)."""
+    from edgellm.architectures import build_model
+    from edgellm.architectures.layers import ModelOptions, weight_bytes
+    from edgellm.quantize.experts import quantize_experts
+    from edgellm.sources import load_source
+
     _, report = quantized
     unread = 2 * (8 - 2) * 3 * 32 * 64
     assert report["parameters"]["total"] - report["parameters"]["per_token"] == unread
-    # 4-bit experts packed with a scale and a sum per 32: 0.5 + 8 / 32 bytes a weight, 6 of 8
-    # experts left out; the rest (embedding, attention, conv) is what it was
-    assert report["weight_bytes_per_token"] < report["parameters"]["per_token"]
+    source = load_source(str(tiny_models["lfm2_moe"][0]))
+    model = build_model(source.hf_config, source.state_dict, ModelOptions(48), torch.float32)
+    before = weight_bytes(model)
+    blocks, saved = quantize_experts(model, 4, 32)
+
+    def blob(rows, k):
+        return 64 + rows * (k // 2 + 8 * k // 32)
+
+    packed = 8 * (blob(64, 64) + blob(64, 32))  # gate_up (2F=64, D=64), down (D=64, F=32)
+    expected = 2 * (2 * 3 * 32 * 64 * 4 - packed * 2 // 8)
+    assert blocks == 2 and saved == expected and before - weight_bytes(model) == expected
 
 
 @pytest.mark.parametrize("group, why", [
@@ -159,3 +175,22 @@ def test_float_expert_program_matches_transformers(exported, tiny_models):
     folder, _ = exported("qwen3_moe", verify=False, etrecord=False, **LONG)
     rows, actual = ladder_run(Program(folder / "model.pte").forward, prompt, tokens)
     assert_logits_close(actual, expected[rows], atol=1e-4, what="qwen3_moe program")
+
+
+def test_a_folder_missing_an_expert_is_refused_by_name(tiny_models, tmp_path):
+    """The folder's one tensor per expert is stacked when it is read; one missing is named."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from edgellm.errors import InputError
+    from edgellm.sources import load_source
+
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_models["qwen3_moe"][0], folder)
+    state = load_file(str(folder / "model.safetensors"))
+    del state["model.layers.2.mlp.experts.5.up_proj.weight"]
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(InputError, match=r"lacks model\.layers\.2\.mlp\.experts\.5\.up_proj"
+                                         r"\.weight: the config has 8 experts per layer"):
+        load_source(str(folder))

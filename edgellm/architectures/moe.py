@@ -8,7 +8,7 @@ normalised to sum 1 where the config says so (`norm_topk_prob`), then times
 did not choose:
 - "gather" (float experts): the chosen experts' weights gathered per token (`W[idx]`) and
   multiplied as one batched matmul; a decode step reads k experts of E.
-- "op" (4- or 8-bit experts, once `quantize_experts` has packed them): ExecuTorch's
+- "op" (4- or 8-bit experts, once quantize/experts.py has packed them): ExecuTorch's
   `llama::quantized_moe_ffn`, which routes, runs the chosen experts from torchao-packed blobs and
   sums, in one CPU kernel beside the delegates. The op always normalises the chosen weights;
   where the model does not, the program multiplies by their sum (routed again, in float).
@@ -16,8 +16,8 @@ did not choose:
 Parameters keep transformers' module names: `gate.weight` (E, D) is the router (a plain
 Parameter, so a linear recipe leaves it float: the choice of experts is where rounding costs
 most), `experts.gate_up_proj` (E, 2F, D) and `experts.down_proj` (E, D, F) the experts, stacked
-at load time (`stack_experts`) from the checkpoint's one tensor per expert, as transformers'
-loader does.
+from the checkpoint's one tensor per expert when a folder is read (`stack_experts`, through
+`Architecture.merge`), as transformers' loader does.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ class SparseMoE(nn.Module):
         self.experts = Experts(routing.experts, hidden, width)
         if routing.bias:  # a buffer in transformers; a Parameter here so that it loads by name
             self.expert_bias = nn.Parameter(torch.empty(routing.experts), requires_grad=False)
-        self.bits = None  # 4 or 8 once quantize_experts packed the experts for the op
+        self.bits = None  # 4 or 8 once use_packed gave the experts to the op
         self.group = None
 
     def route(self, x):
@@ -124,10 +124,9 @@ class SparseMoE(nn.Module):
     def expert_tensors(self) -> tuple[list, float]:
         """The experts' tensors (float Parameters, or packed buffers once quantized) and the share
         of them a token reads (k / E)."""
-        if self.bits:
-            return [self.packed_w13, self.packed_w2], self.routing.top_k / self.routing.experts
-        return ([self.experts.gate_up_proj, self.experts.down_proj],
-                self.routing.top_k / self.routing.experts)
+        tensors = ([self.packed_w13, self.packed_w2] if self.bits else
+                   [self.experts.gate_up_proj, self.experts.down_proj])
+        return tensors, self.routing.top_k / self.routing.experts
 
 
 def quantizable(module: SparseMoE, group: int) -> str | None:
