@@ -42,7 +42,7 @@ def eager_model(cfg: ExportConfig, plan, stages: Stages,
 
     from .architectures import build_model
     from .architectures.cache import kv_cache_report, state_report
-    from .architectures.layers import weight_bytes
+    from .architectures.layers import storage, weight_bytes
     from .sources import load_source
 
     with stages.stage("load"):
@@ -60,9 +60,10 @@ def eager_model(cfg: ExportConfig, plan, stages: Stages,
                          "output is not what it was trained to give. Lower --max-context-len "
                          "(or --max-seq-len), or pass --allow-long-context to export it anyway.")
     opts = plan.model_options(cfg, source.stored_types)
-    with stages.stage("build"):
-        model = build_model(source.hf_config, source.state_dict, opts, torch_dtype(cfg.dtype))
     quantizing = bool(cfg.quantize or cfg.embedding_quantize)
+    with stages.stage("build"):  # what a recipe replaces (experts) is read when it does
+        model = build_model(source.hf_config, source.state_dict, opts, torch_dtype(cfg.dtype),
+                            defer=bool(cfg.quantize))
     if cfg.memory_budget is not None:  # the state alone, before verification's reference runs
         check_budget(cfg, None if quantizing else weight_bytes(model), state_report(model),
                      kv_cache_report(model))
@@ -70,7 +71,7 @@ def eager_model(cfg: ExportConfig, plan, stages: Stages,
     source.state_dict = {}  # the model holds the tensors now
     drop_checkpoint_pages()  # pages of checkpoint weights the build replaced
     weights = weight_bytes(model)
-    unique = {p.data_ptr(): p for p in model.parameters()}.values()  # tied ones once
+    unique = {storage(p): p for p in model.parameters()}.values()  # tied ones once
     parameters = {"total": sum(p.numel() for p in unique),
                   "per_token": weight_bytes(model, torch.Tensor.numel)}
     done = None

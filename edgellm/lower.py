@@ -130,7 +130,8 @@ def _takes_arguments(cached) -> bool:
 # edgellm.patches every lowering runs with, whatever the backends (theirs: Backend.patches)
 LOWERING_PATCHES = ("exir.composite_fake_runs", "exir.kept_op_fake_runs",
                     "exir.chained_edge_passes", "exir.one_decomposition_trace",
-                    "exir.legalize_in_place", "exir.delegate_fake_outputs")
+                    "exir.legalize_in_place", "exir.delegate_fake_outputs",
+                    "emit.constants_by_reference")
 
 
 def lower(programs: dict[str, ExportedProgram], partitioners: list, constant_methods: dict,

@@ -27,6 +27,16 @@ def rss_mb() -> float:
         return peak_rss_mb()
 
 
+def available_bytes() -> int | None:
+    """Memory the system can give without swapping (Linux's MemAvailable), None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f
+                        if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
 _MAPPED: set[str] = set()  # checkpoint files this process memory-mapped (note_mapped)
 
 

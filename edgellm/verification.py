@@ -29,6 +29,7 @@ whose greedy token differs. Thresholds depend on dtype and quantization.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -189,6 +190,7 @@ class Verification:
     def take(self, stage: str, product) -> None:
         """A stage's product, as it is made (by eager.eager_model and the export job)."""
         if stage == "load":
+            fits(product)
             self.source = product
         elif stage == "build":
             with self.stages.stage("reference"):
@@ -204,10 +206,11 @@ class Verification:
                 self.result = self._finish(product)
 
     def _reference(self, model) -> None:
-        from .architectures import build_model
+        from .architectures import build_model, load_deferred
         from .memory import release_memory
 
         cfg, source = self.cfg, self.source
+        load_deferred(model)  # the float model whole: its experts, were a recipe to pack them
         longest = min(cfg.max_seq_len, self.context - self.steps)
         self.text = text_tokens(source.tokenizer(), self.context)
         reference = transformers_model(source)
@@ -402,6 +405,23 @@ def perplexity(logits: torch.Tensor, ids: list[int]) -> float:
     """exp of the mean negative log-likelihood of ids[1:] given logits row i for ids[i + 1]."""
     nll = torch.nn.functional.cross_entropy(logits.float(), torch.tensor(ids[1:]))
     return float(nll.exp())
+
+
+def fits(source) -> None:
+    """Refuse, before any work, a verification this machine cannot hold: transformers' fp32 model
+    and edgellm's float model side by side, 8 bytes a parameter (a checkpoint streamed past memory
+    by a recipe, moe.Deferred, is read whole for them)."""
+    from .eager import size
+    from .memory import available_bytes
+
+    count = sum(math.prod(t.shape) for t in source.state_dict.values())
+    need, have = 8 * count, available_bytes()
+    if have is not None and need > have:
+        raise InputError(f"Verification holds transformers' fp32 model beside edgellm's float "
+                         f"model: about {size(need)} for {count / 1e9:.2f} B parameters, and "
+                         f"this machine has {size(have)} available. Export with --no-verify (the "
+                         "architecture is checked against transformers on tiny checkpoints by "
+                         "edgellm's tests), or verify on a machine with more memory.")
 
 
 def one_by_one(forward):

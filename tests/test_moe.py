@@ -194,3 +194,61 @@ def test_a_folder_missing_an_expert_is_refused_by_name(tiny_models, tmp_path):
     with pytest.raises(InputError, match=r"lacks model\.layers\.2\.mlp\.experts\.5\.up_proj"
                                          r"\.weight: the config has 8 experts per layer"):
         load_source(str(folder))
+
+
+def test_a_recipe_reads_the_experts_one_block_at_a_time(tiny_models, monkeypatch):
+    """Streaming export: with a recipe, the build leaves the experts in the checkpoint (meta
+    Parameters of their shape and dtype, so report.json counts them as loaded) and quantization
+    reads each expert's matrices as it packs them, a block's before the next block's. The
+    blobs are those of experts loaded whole, and the float model a verification needs reads
+    them all back, equal to a build without deferral."""
+    from edgellm.architectures import build_model, load_deferred
+    from edgellm.architectures.layers import ModelOptions, weight_bytes
+    from edgellm.architectures.moe import Deferred
+    from edgellm.quantize.experts import quantize_experts
+    from edgellm.sources import load_source
+
+    def model(defer):
+        source = load_source(str(tiny_models["qwen3_moe"][0]))
+        return build_model(source.hf_config, source.state_dict, ModelOptions(48), torch.float32,
+                           defer=defer)
+
+    whole, deferred = model(False), model(True)
+    blocks = [m for m in deferred.modules() if isinstance(m, SparseMoE)]
+    assert all(b.experts.gate_up_proj.is_meta and b.experts.down_proj.is_meta for b in blocks)
+    assert weight_bytes(deferred) == weight_bytes(whole)
+    events, read, packed = [], Deferred.__getitem__, SparseMoE.use_packed
+    monkeypatch.setattr(Deferred, "__getitem__", lambda self, e: events.append("read") or read(
+        self, e))
+    monkeypatch.setattr(SparseMoE, "use_packed", lambda self, *a: events.append("pack") or packed(
+        self, *a))
+    quantize_experts(whole, 4, 32)
+    assert events == ["pack"] * len(blocks)  # experts loaded whole: nothing read
+    events.clear()
+    quantize_experts(deferred, 4, 32)
+    assert events == (["read"] * 2 * 8 + ["pack"]) * len(blocks)  # an expert at a time
+    for a, b in zip(whole.modules(), deferred.modules()):
+        if isinstance(a, SparseMoE):
+            assert torch.equal(a.packed_w13, b.packed_w13) and torch.equal(a.packed_w2,
+                                                                           b.packed_w2)
+    again, whole = model(True), model(False)
+    load_deferred(again)
+    assert all(torch.equal(p, q) for p, q in zip(whole.state_dict().values(),
+                                                  again.state_dict().values()))
+    with pytest.raises(RuntimeError, match="still in the checkpoint"):
+        model(True)(torch.tensor([[1, 2]]), torch.tensor([0]))
+
+
+def test_a_verification_the_machine_cannot_hold_is_refused_before_any_work(
+        tiny_models, tmp_path, capsys, monkeypatch):
+    """transformers' fp32 model and edgellm's float model side by side, 8 bytes a parameter:
+    past the memory available, the export stops at once and says to pass --no-verify."""
+    import edgellm.memory
+
+    monkeypatch.setattr(edgellm.memory, "available_bytes", lambda: 1 << 20)
+    code = main(["export", str(tiny_models["qwen3_moe"][0]), "-o", str(tmp_path / "o"),
+                 "--quantize", "8da4w", "--group-size", "32", "--max-seq-len", "16",
+                 "--max-context-len", "48", "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2 and "this machine has 1.00 MB available. Export with --no-verify" in err, err
+    assert "Verification holds transformers' fp32 model" in err and not (tmp_path / "o").exists()

@@ -109,7 +109,7 @@ def test_the_environment_switches_patches_off(monkeypatch, xnnpack_patches):
     monkeypatch.setenv(patches.SWITCH, "xnnpack.shared_weight")
     with pytest.raises(InputError, match=r"EDGELLM_NO_PATCHES='xnnpack.shared_weight' names no "
                        r"patch: xnnpack.shared_weight\. Give 'all', a module \(xnnpack, coreml, "
-                       r"vulkan, exir, torchao\) or patch names: xnnpack.shared_weights, "):
+                       r"vulkan, exir, emit, torchao\) or patch names: xnnpack.shared_weights, "):
         patches.apply(["xnnpack"])
 
 
@@ -200,6 +200,38 @@ def test_tensor_backed_data_passes_through_the_store_and_the_cord(xnnpack_patche
     out = io.BytesIO()
     Cord(backed).write_to_file(out)
     assert out.getvalue() == blob == backed.to_bytes()
+
+
+# --- emit.constants_by_reference -------------------------------------------------------------
+
+
+def test_constants_kept_by_reference_write_the_upstream_bytes(tiny_models, tmp_path, monkeypatch):
+    """The emitter keeps a constant outside every delegate (here a mixture-of-experts block's
+    packed experts, and the embedding table) as its tensor's storage, not a copy in bytes, and
+    the .pte is upstream's byte for byte (every constant taken by reference: threshold 1)."""
+    from edgellm.patches import emit
+
+    kept = []
+    monkeypatch.setattr(emit, "BY_REFERENCE_FROM", 1)
+    monkeypatch.setattr(emit, "TensorBackedData", lambda t: kept.append(
+        xnnpack.TensorBackedData(t)) or kept[-1])
+    options = dict(quiet=True, quantize="8da4w", group_size=32, verify=False, etrecord=False,
+                   max_seq_len=16, max_context_len=48)
+    folder = tiny_models["lfm2_moe"][0]
+    monkeypatch.setenv(patches.SWITCH, "emit")
+    edgellm.export(folder, output=tmp_path / "upstream", **options)
+    assert not kept
+    monkeypatch.delenv(patches.SWITCH)
+    report = edgellm.export(folder, output=tmp_path / "ours", **options)
+    assert report["patches"]["emit.constants_by_reference"] == "on"
+
+    def blob(rows, k):  # torchao's layout: header; per row 4-bit values, a scale and sum a group
+        return 64 + rows * (k // 2 + 8 * k // 32)
+
+    sizes = [k._size for k in kept]  # per sparse block (2): w13 (2F=64, D=64), w2 (D=64, F=32)
+    assert sizes.count(8 * blob(64, 64)) == sizes.count(8 * blob(64, 32)) == 2, sizes
+    assert (tmp_path / "ours" / "model.pte").read_bytes() == (
+        tmp_path / "upstream" / "model.pte").read_bytes()
 
 
 # --- xnnpack.skip_retraces and xnnpack.one_decomposition -----------------------------------

@@ -366,9 +366,9 @@ def weight_bytes(lm: nn.Module, size: Callable = lambda t: t.numel() * t.element
     seen, total = set(), 0
     embed = lm.model.embed_tokens.weight
     for name, p in lm.named_parameters():
-        if p.data_ptr() in seen:
+        if storage(p) in seen:
             continue
-        seen.add(p.data_ptr())
+        seen.add(storage(p))
         total += size(p)
     if head_weight(lm).data_ptr() != embed.data_ptr():
         total -= size(embed) * (embed.shape[0] - 1) // embed.shape[0]
@@ -378,6 +378,12 @@ def weight_bytes(lm: nn.Module, size: Callable = lambda t: t.numel() * t.element
             every = sum(size(t) for t in experts)
             total += int(every * share) - (every if block.bits is None else 0)
     return total
+
+
+def storage(p: torch.Tensor) -> int:
+    """What tells shared weights apart: their storage's address, or for a Parameter still on the
+    meta device (deferred at load, moe.Experts.defer), which has none, the Parameter itself."""
+    return p.data_ptr() or id(p)
 
 
 def separate_tied_head(lm: nn.Module) -> None:

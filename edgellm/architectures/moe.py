@@ -51,11 +51,70 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(experts, hidden))
 
 
+class Deferred:
+    """A stacked experts tensor not read yet: per expert, the checkpoint's tensors (memory-mapped)
+    that concatenate into its row. `to(dtype)` reads them into one new tensor of that dtype (no
+    stacked copy in the checkpoint's dtype on the way); `shape` and `dtype` are known before."""
+
+    def __init__(self, rows: list[list[torch.Tensor]]):
+        self.rows = rows
+        first = rows[0]
+        self.shape = torch.Size([len(rows), sum(t.shape[0] for t in first), *first[0].shape[1:]])
+        self.dtype = first[0].dtype
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, e: int) -> torch.Tensor:
+        """Expert e's row alone, in the checkpoint's dtype."""
+        return torch.cat(self.rows[e])
+
+    def to(self, dtype: torch.dtype) -> torch.Tensor:
+        out = torch.empty(self.shape, dtype=dtype)
+        for e, row in enumerate(self.rows):
+            at = 0
+            for t in row:
+                out[e, at:at + t.shape[0]].copy_(t)
+                at += t.shape[0]
+        return out
+
+    def float(self) -> torch.Tensor:
+        return self.to(torch.float32)
+
+
 class Experts(nn.Module):
     def __init__(self, experts: int, hidden: int, width: int):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * width, hidden))
         self.down_proj = nn.Parameter(torch.empty(experts, hidden, width))
+        self.deferred = {}  # name -> Deferred, for Parameters left on the meta device at load
+
+    def defer(self, name: str, value: Deferred, dtype: torch.dtype) -> None:
+        """Leave `name` in the checkpoint until read (loading.load_weights with defer): a meta
+        Parameter of its shape and dtype stands in, so sizes are counted as for a loaded one."""
+        setattr(self, name, nn.Parameter(torch.empty(value.shape, dtype=dtype, device="meta"),
+                                         requires_grad=False))
+        self.deferred[name] = value
+
+    def read(self, name: str) -> torch.Tensor:
+        """The values of `name`, read from the checkpoint now if they were deferred."""
+        param = getattr(self, name)
+        return self.deferred[name].to(param.dtype) if name in self.deferred else param.detach()
+
+    def rows(self, name: str):
+        """`name` an expert at a time, (N, K) each: a deferred one read from the checkpoint one
+        expert at a time, in the Parameter's dtype."""
+        param = getattr(self, name)
+        if name not in self.deferred:
+            return iter(param.detach())
+        stack = self.deferred[name]
+        return (stack[e].to(param.dtype) for e in range(len(stack)))
+
+    def load_deferred(self) -> None:
+        """Every deferred Parameter read and kept (for a consumer of the float experts)."""
+        for name in list(self.deferred):
+            setattr(self, name, nn.Parameter(self.read(name), requires_grad=False))
+            del self.deferred[name]
 
 
 class SparseMoE(nn.Module):
@@ -91,6 +150,9 @@ class SparseMoE(nn.Module):
         return out.view(shape)
 
     def _gather(self, x):
+        if self.experts.deferred:
+            raise RuntimeError("the experts are still in the checkpoint (deferred at load for a "
+                               "recipe): Experts.load_deferred() reads them")
         weights, idx = self.route(x)
         up = self.experts.gate_up_proj[idx]  # (N, k, 2F, D): the chosen experts only
         h = (up @ x[:, None, :, None]).squeeze(-1)  # (N, k, 2F)
@@ -143,8 +205,8 @@ def quantizable(module: SparseMoE, group: int) -> str | None:
 
 def stack_experts(sd: dict, prefix: str, experts: int, names: tuple[str, str, str]) -> None:
     """The checkpoint's experts, one tensor each (`prefix.experts.N.<gate>.weight`, up, down as
-    `names`), stacked into `prefix.experts.gate_up_proj` (E, 2F, D) and `down_proj` (E, D, F);
-    a state dict already stacked is left as it is."""
+    `names`), stacked into `prefix.experts.gate_up_proj` (E, 2F, D) and `down_proj` (E, D, F),
+    `Deferred` until read; a state dict already stacked is left as it is."""
     gate, up, down = names
     keys = [[f"{prefix}.experts.{e}.{n}.weight" for n in names] for e in range(experts)]
     found = [k for row in keys for k in row if k in sd]
@@ -156,9 +218,8 @@ def stack_experts(sd: dict, prefix: str, experts: int, names: tuple[str, str, st
                          f"{' and more' if len(missing) > 4 else ''}: the config has {experts} "
                          "experts per layer. Check that the weights and config.json come from "
                          "the same model.")
-    sd[f"{prefix}.experts.gate_up_proj"] = torch.stack(
-        [torch.cat([sd.pop(g), sd.pop(u)]) for g, u, _ in keys])
-    sd[f"{prefix}.experts.down_proj"] = torch.stack([sd.pop(d) for _, _, d in keys])
+    sd[f"{prefix}.experts.gate_up_proj"] = Deferred([[sd.pop(g), sd.pop(u)] for g, u, _ in keys])
+    sd[f"{prefix}.experts.down_proj"] = Deferred([[sd.pop(d)] for _, _, d in keys])
 
 
 def fold_into_experts(sd: dict, norm: str, prefix: str) -> None:

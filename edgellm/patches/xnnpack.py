@@ -34,17 +34,15 @@ retracing graphs nothing changed, and decomposing the program three times.
   keeps the same nodes with one decomposition.
 
 What remains of the peak: one partition's `bytes` while its preprocess runs (the head is the
-largest), the emitter's `bytes` of the undelegated embedding table (exir/emit/_emitter.py), and
-copies of weights that are views (below). The .pte is byte-identical with and without them.
+largest) and copies of weights that are views (below); constants outside the delegates are
+emit.py's. The .pte is byte-identical with and without them.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
-import hashlib
 
-import numpy as np
 import torch
 from executorch.backends.xnnpack._passes import XNNPACKPass, XNNPACKPassManager
 from executorch.backends.xnnpack._passes.convert_to_sdpa import ConvertToSDPAPass
@@ -52,7 +50,6 @@ from executorch.backends.xnnpack._passes.convert_to_upsample_bilinear2d import (
     ConvertToUpsampleBilinear2d)
 from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
 from executorch.backends.xnnpack.xnnpack_preprocess import XnnpackBackend
-from executorch.exir._serialize._cord import FileBackedData
 from executorch.exir.backend.canonical_partitioners.config_partitioner import (
     ConfigerationBasedPartitioner)
 from executorch.exir.dialects._ops import ops as exir_ops
@@ -64,6 +61,7 @@ from torch.export.graph_signature import ExportGraphSignature
 from torch.fx.passes.infra.pass_base import PassResult
 
 from . import Patch, replacing
+from .emit import TensorBackedData
 
 _UPSTREAM_PREPROCESS = XnnpackBackend.__dict__["preprocess"]  # a staticmethod
 _UPSTREAM_TRANSFORM = XNNPACKPassManager.__dict__["transform"]
@@ -71,47 +69,6 @@ _SOFTMAX = exir_ops.edge.aten._softmax.default
 _UPSTREAM_GENERATE = ConfigerationBasedPartitioner.__dict__["generate_partitions"]
 _UPSAMPLE = exir_ops.edge.aten.upsample_bilinear2d.vec
 _COPY_HOOK = "copy_exported_program_for_preprocess"
-_COMPARE_CHUNK = 1 << 24  # bytes compared at a time: no temporary the size of a whole weight
-
-
-class TensorBackedData(FileBackedData):
-    """A tensor's whole storage as named data, read from the tensor's memory when written.
-
-    A FileBackedData because NamedDataStore, Cord and the .pte serializer accept only `bytes` and
-    FileBackedData (ExecuTorch's CUDA backend stores files that way); none of them opens `_path`.
-    """
-
-    def __init__(self, tensor: torch.Tensor):
-        # (nbytes,) uint8 over the same memory; it keeps the storage alive
-        self._array = torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage()).numpy()
-        self._path, self._size = None, self._array.nbytes
-        self._sha256, self._finalizer = None, None
-
-    def equals(self, data: bytes) -> bool:
-        other = np.frombuffer(data, dtype=np.uint8)
-        return len(other) == self._size and all(
-            np.array_equal(self._array[i:i + _COMPARE_CHUNK], other[i:i + _COMPARE_CHUNK])
-            for i in range(0, self._size, _COMPARE_CHUNK))
-
-    def prefix(self, size: int) -> bytes:
-        return self._array[:size].tobytes()
-
-    def sha256(self) -> bytes:
-        if self._sha256 is None:
-            self._sha256 = hashlib.sha256(self._array).digest()
-        return self._sha256
-
-    def to_bytes(self) -> bytes:
-        return self._array.tobytes()
-
-    def write_to_file(self, outfile) -> None:
-        outfile.write(memoryview(self._array))
-
-    def close(self) -> None:  # no file to remove
-        pass
-
-    def __deepcopy__(self, memo):  # read-only data: copies of a program may share it
-        return self
 
 
 def compact_weights(ep) -> list[torch.Tensor]:

@@ -62,15 +62,19 @@ def pack(q: torch.Tensor, scales: torch.Tensor, group: int, bits: int) -> torch.
     return torch.cat([header.view(torch.uint8), body])
 
 
-def pack_experts(weights: torch.Tensor, bits: int, group: int) -> torch.Tensor:
-    """Stacked expert matrices (E, N, K) -> (E, bytes) uint8, one blob per expert."""
+def pack_experts(weights, bits: int, group: int) -> torch.Tensor:
+    """Stacked expert matrices (E, N, K), or their (N, K) one at a time (moe.Experts.rows), ->
+    (E, bytes) uint8, one blob per expert."""
     return torch.stack([pack(*symmetric(w, bits, group), group, bits) for w in weights])
 
 
 def quantize_experts(model, bits: int, group: int) -> tuple[int, int]:
-    """Every sparse block's experts packed for the op (SparseMoE.use_packed); returns (blocks,
-    bytes a decode step saves: the chosen experts' float bytes less their packed ones)."""
+    """Every sparse block's experts packed for the op (SparseMoE.use_packed), one block at a time:
+    experts still in the checkpoint (moe.Deferred) are read an expert at a time as they are
+    packed, and the checkpoint pages read for them handed back. Returns (blocks, bytes a
+    decode step saves: the chosen experts' float bytes less their packed ones)."""
     from ..architectures.moe import SparseMoE
+    from ..memory import drop_checkpoint_pages
 
     def chosen(block):  # bytes of the experts a token reads
         experts, share = block.expert_tensors()
@@ -80,7 +84,10 @@ def quantize_experts(model, bits: int, group: int) -> tuple[int, int]:
     saved = 0
     for block in blocks:
         before, experts = chosen(block), block.experts
-        block.use_packed(pack_experts(experts.gate_up_proj.detach(), bits, group),
-                         pack_experts(experts.down_proj.detach(), bits, group), bits, group)
+        w13 = pack_experts(experts.rows("gate_up_proj"), bits, group)
+        w2 = pack_experts(experts.rows("down_proj"), bits, group)
+        block.use_packed(w13, w2, bits, group)
         saved += before - chosen(block)
+        if experts.deferred:
+            drop_checkpoint_pages()
     return len(blocks), saved
