@@ -54,7 +54,8 @@ def test_index_naming_a_missing_shard(tiny_models, tmp_path):
         load_source(str(tmp_path / "m"))
 
 
-LLAMACPP_ARCH = {"gemma3_text": "gemma3", "mistral": "llama"}  # model_type -> GGUF arch
+LLAMACPP_ARCH = {"gemma3_text": "gemma3", "mistral": "llama", "lfm2_moe": "lfm2moe",
+                 "qwen3_moe": "qwen3moe"}  # model_type -> GGUF arch
 PERMUTED = ("llama", "granite", "smollm3")  # llama.cpp's LlamaModel and its subclasses
 
 
@@ -62,8 +63,9 @@ def write_gguf(hf, tokenizer_json, path, quantized: dict | None = None) -> None:
     """A tiny model as llama.cpp's converter (conversion/*.py) writes it: tensors under gguf's
     names (`quantized`: HF name -> (raw bytes, GGML type) to store instead of F32), q and k rows
     permuted for the llama-derived families, Gemma's norms as 1 + w, LFM2's kernels squeezed,
-    Llama 3's and Phi-3's RoPE factors as tensors; each family's metadata keys; the byte-level BPE
-    tokenizer as a gpt2 vocabulary with merges."""
+    Llama 3's and Phi-3's RoPE factors as tensors, experts stacked per layer as
+    `ffn_{gate,up,down}_exps` and LFM2-MoE's expert bias as `exp_probs_b.bias`; each family's
+    metadata keys; the byte-level BPE tokenizer as a gpt2 vocabulary with merges."""
     import gguf
     import numpy as np
 
@@ -81,11 +83,18 @@ def write_gguf(hf, tokenizer_json, path, quantized: dict | None = None) -> None:
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(heads)
     w.add_layer_norm_rms_eps(getattr(cfg, "rms_norm_eps", None) or cfg.norm_eps)
-    if arch == "lfm2":
+    if arch in ("lfm2", "lfm2moe"):
         w.add_head_count_kv([kv if t == "full_attention" else 0 for t in cfg.layer_types])
         w.add_shortconv_l_cache(cfg.conv_L_cache)
     else:
         w.add_head_count_kv(kv)
+    if arch in ("lfm2moe", "qwen3moe"):  # LFM2MoeModel's and Qwen2MoeModel's keys
+        w.add_expert_count(cfg.num_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if arch == "lfm2moe":
+        w.add_leading_dense_block_count(cfg.num_dense_layers)
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
     if arch == "gemma3":
         w.add_rope_freq_base(rope["full_attention"]["rope_theta"])
         w.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
@@ -149,6 +158,14 @@ def write_gguf(hf, tokenizer_json, path, quantized: dict | None = None) -> None:
         raw, kind = (quantized or {}).get(name, (tensor.detach().float().numpy(), None))
         base, leaf = name.rsplit(".", 1)
         gguf_name = f"{names.get_name(base)}.{leaf}"
+        if name.endswith("experts.gate_up_proj"):  # (E, 2F, D): gate and up apart
+            down = names.get_name(name.replace("gate_up_proj", "down_proj"))
+            half = raw.shape[1] // 2
+            for part, rows in (("gate", raw[:, :half]), ("up", raw[:, half:])):
+                w.add_tensor(f"{down.replace('down', part)}.weight", np.ascontiguousarray(rows))
+            continue
+        if name.endswith(("experts.down_proj", "expert_bias")):
+            gguf_name = names.get_name(name) + (".bias" if leaf == "expert_bias" else ".weight")
         if kind is None:
             if arch in PERMUTED and gguf_name.split(".")[-2] in ("attn_q", "attn_k"):
                 n = heads if gguf_name.split(".")[-2] == "attn_q" else kv
@@ -156,7 +173,7 @@ def write_gguf(hf, tokenizer_json, path, quantized: dict | None = None) -> None:
                     .swapaxes(1, 2).reshape(raw.shape)
             if arch == "gemma3" and name.endswith("norm.weight"):
                 raw = raw + 1
-            if arch == "lfm2" and name.endswith("conv.conv.weight"):
+            if arch in ("lfm2", "lfm2moe") and name.endswith("conv.conv.weight"):
                 raw = raw.squeeze(1)
         w.add_tensor(gguf_name, np.ascontiguousarray(raw), raw_dtype=kind)
     w.write_header_to_file()
@@ -192,11 +209,17 @@ def gguf_configs(vocab) -> dict:
             rope_parameters=family["gemma3_text"].rope_parameters),
         "phi3": phi3, "granite": family["granite"], "olmo2": family["olmo2"],
         "smollm3": SmolLM3Config(**common, num_hidden_layers=4, no_rope_layer_interval=4),
+        # llama.cpp's LFM2-MoE graph normalises the chosen weights and does not scale them, and
+        # its Qwen3-MoE has every layer sparse, normalised
+        "lfm2_moe": family["lfm2_moe"].__class__(**{
+            **family["lfm2_moe"].to_dict(), "routed_scaling_factor": 1.0}),
+        "qwen3_moe": family["qwen3_moe"].__class__(**{
+            **family["qwen3_moe"].to_dict(), "mlp_only_layers": [], "norm_topk_prob": True}),
     }
 
 
 @pytest.mark.parametrize("family", ["llama", "lfm2", "mistral", "gemma3_text", "phi3",
-                                    "granite", "olmo2", "smollm3"])
+                                    "granite", "olmo2", "smollm3", "lfm2_moe", "qwen3_moe"])
 def test_a_family_gguf_matches_transformers(tiny_models, prompt_ids, tmp_path, family):
     """A GGUF in llama.cpp's layout (write_gguf) reads back as the model transformers runs: a
     prompt, then one token per call past Gemma 3's window, logits within the fp32 tolerance and
@@ -219,6 +242,37 @@ def test_a_family_gguf_matches_transformers(tiny_models, prompt_ids, tmp_path, f
     with torch.no_grad():
         actual = cached_run(model, prompt_ids, tokens)
     assert_logits_close(actual, expected, atol=1e-4, what=f"{family} from GGUF")
+
+
+def test_a_gguf_s_experts_are_read_an_expert_at_a_time(tiny_models, tmp_path, monkeypatch):
+    """llama.cpp stacks each layer's experts (`ffn_{gate,up,down}_exps`, E x rows); loading the
+    file reads none of them, and each expert read later is its own slice of the mapped file,
+    dequantized (here a Q8_0 down_proj): equal to gguf's dequantization of the whole tensor, and
+    gate then up for transformers' gate_up_proj."""
+    import gguf
+
+    import edgellm.sources.gguf as reader
+    from conftest import random_model
+    from edgellm.architectures.moe import Deferred
+
+    folder, vocab = tiny_models["qwen3"][0], tiny_models["qwen3"][1].config.vocab_size
+    hf = random_model(gguf_configs(vocab)["qwen3_moe"])
+    down, gate_up = (f"model.layers.2.mlp.experts.{n}" for n in ("down_proj", "gate_up_proj"))
+    q8 = gguf.quants.quantize(hf.state_dict()[down].float().numpy(),
+                              gguf.GGMLQuantizationType.Q8_0)
+    path = tmp_path / "moe.gguf"
+    write_gguf(hf, folder / "tokenizer.json", path,
+               quantized={down: (q8, gguf.GGMLQuantizationType.Q8_0)})
+    reads, read = [], reader._expert_values
+    monkeypatch.setattr(reader, "_expert_values", lambda *a: reads.append(a[-2:]) or read(*a))
+    source = load_source(str(path))
+    assert reads == [] and all(isinstance(source.state_dict[n], Deferred) for n in (down, gate_up))
+    whole = gguf.quants.dequantize(q8, gguf.GGMLQuantizationType.Q8_0)
+    stack = source.state_dict[down]
+    assert stack.shape == (8, 64, 32) and torch.equal(stack[5], torch.from_numpy(whole[5]))
+    assert reads == [("blk.2.ffn_down_exps.weight", 5)]
+    assert torch.equal(stack.to(torch.float32), torch.from_numpy(whole))
+    assert torch.equal(source.state_dict[gate_up][3], hf.state_dict()[gate_up][3].float())
 
 
 @pytest.mark.parametrize("arch, width", [("qwen2", 16), ("qwen3", 32)])
@@ -295,7 +349,7 @@ def test_a_q4_k_gguf_keeps_its_grid_through_export(tiny_models, prompt_ids, tmp_
     ("qwen35moe", r"Unsupported model_type 'qwen3_5_moe'\. Supported:"),
     ("lfm3", r"holds a 'lfm3' model, which edgellm exports from its Hugging Face folder, not "
              r"from a GGUF file; it reads GGUF files of lfm2, llama, smollm3, qwen2, qwen3, "
-             r"gemma3, phi3, granite, olmo2 \(llama\.cpp's names\)\.$"),
+             r"gemma3, phi3, granite, olmo2, lfm2moe, qwen3moe \(llama\.cpp's names\)\.$"),
     ("bert", r"Unsupported model_type 'bert'\. Supported: lfm2, lfm3"),
 ])
 def test_a_gguf_of_another_family_is_refused_by_name(tmp_path, arch, message):

@@ -15,7 +15,7 @@ import torch
 from . import lfm2
 from .layers import ModelOptions
 from .moe import Routing, SparseMoE, stack_experts
-from .registry import Architecture
+from .registry import Architecture, GgufLayout
 
 
 def routing(cfg) -> Routing:
@@ -60,6 +60,28 @@ def build(cfg, opts: ModelOptions, dtype) -> Lfm2MoeForCausalLM:
         return Lfm2MoeForCausalLM(cfg, opts, dtype)
 
 
+def _gguf_fix(raw: dict, key, names: tuple, values) -> None:
+    """LFM2-MoE as llama.cpp writes it (conversion/lfm2.py, LFM2MoeModel): attention layers are
+    those with key-value heads; experts, their width and the dense leading layers under the
+    expert keys; sigmoid gating with a bias (`exp_probs_b`) where the file has one; the chosen
+    weights normalised and scaled as `expert_weights_norm` / `_scale` say (llama.cpp's defaults:
+    normalised, unscaled)."""
+    heads = raw.pop("num_key_value_heads")
+    heads = list(heads) if isinstance(heads, (list, tuple)) else [heads] * raw["num_hidden_layers"]
+    raw["layer_types"] = ["full_attention" if h else "conv" for h in heads]
+    raw["num_key_value_heads"] = max(heads)
+    raw["norm_eps"] = raw.pop("rms_norm_eps", 1e-5)
+    raw["norm_topk_prob"] = bool(key("expert_weights_norm", True))
+    raw["routed_scaling_factor"] = float(key("expert_weights_scale", 1.0))
+    dense = int(raw.get("num_dense_layers", 0))
+    raw["use_expert_bias"] = f"blk.{dense}.exp_probs_b.bias" in names
+
+
 ARCHITECTURE = Architecture(
     model_type="lfm2_moe", summary="LFM2-MoE (LFM2's hybrid with mixture-of-experts "
-    "feed-forwards: LFM2-8B-A1B)", build=build, check=check, merge=merge)
+    "feed-forwards: LFM2-8B-A1B)", build=build, check=check, merge=merge,
+    gguf=GgufLayout("lfm2moe", keys={
+        "shortconv.l_cache": "conv_L_cache", "expert_count": "num_experts",
+        "expert_used_count": "num_experts_per_tok",
+        "expert_feed_forward_length": "moe_intermediate_size",
+        "leading_dense_block_count": "num_dense_layers"}, fix=_gguf_fix, processor="lfm2"))

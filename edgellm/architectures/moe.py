@@ -23,6 +23,7 @@ from the checkpoint's one tensor per expert when a folder is read (`stack_expert
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -52,30 +53,32 @@ class Router(nn.Module):
 
 
 class Deferred:
-    """A stacked experts tensor not read yet: per expert, the checkpoint's tensors (memory-mapped)
-    that concatenate into its row. `to(dtype)` reads them into one new tensor of that dtype (no
-    stacked copy in the checkpoint's dtype on the way); `shape` and `dtype` are known before."""
+    """A stacked experts tensor not read yet: `read(e)` gives expert e's row (from a checkpoint's
+    memory map: a folder's tensors concatenated, a GGUF's slice dequantized), `shape` and
+    `dtype` are known before. `to(dtype)` reads every row into one new tensor of that dtype (no
+    stacked copy in the checkpoint's dtype on the way)."""
 
-    def __init__(self, rows: list[list[torch.Tensor]]):
-        self.rows = rows
+    def __init__(self, shape: tuple, dtype: torch.dtype, read: Callable[[int], torch.Tensor]):
+        self.shape, self.dtype, self.read = torch.Size(shape), dtype, read
+
+    @classmethod
+    def stack(cls, rows: list[list[torch.Tensor]]) -> "Deferred":
+        """Per expert, the tensors that concatenate into its row."""
         first = rows[0]
-        self.shape = torch.Size([len(rows), sum(t.shape[0] for t in first), *first[0].shape[1:]])
-        self.dtype = first[0].dtype
+        shape = (len(rows), sum(t.shape[0] for t in first), *first[0].shape[1:])
+        return cls(shape, first[0].dtype, lambda e: torch.cat(rows[e]))
 
     def __len__(self) -> int:
-        return len(self.rows)
+        return self.shape[0]
 
     def __getitem__(self, e: int) -> torch.Tensor:
         """Expert e's row alone, in the checkpoint's dtype."""
-        return torch.cat(self.rows[e])
+        return self.read(e)
 
     def to(self, dtype: torch.dtype) -> torch.Tensor:
         out = torch.empty(self.shape, dtype=dtype)
-        for e, row in enumerate(self.rows):
-            at = 0
-            for t in row:
-                out[e, at:at + t.shape[0]].copy_(t)
-                at += t.shape[0]
+        for e in range(len(self)):
+            out[e].copy_(self[e])
         return out
 
     def float(self) -> torch.Tensor:
@@ -218,8 +221,9 @@ def stack_experts(sd: dict, prefix: str, experts: int, names: tuple[str, str, st
                          f"{' and more' if len(missing) > 4 else ''}: the config has {experts} "
                          "experts per layer. Check that the weights and config.json come from "
                          "the same model.")
-    sd[f"{prefix}.experts.gate_up_proj"] = Deferred([[sd.pop(g), sd.pop(u)] for g, u, _ in keys])
-    sd[f"{prefix}.experts.down_proj"] = Deferred([[sd.pop(d)] for _, _, d in keys])
+    sd[f"{prefix}.experts.gate_up_proj"] = Deferred.stack([[sd.pop(g), sd.pop(u)]
+                                                           for g, u, _ in keys])
+    sd[f"{prefix}.experts.down_proj"] = Deferred.stack([[sd.pop(d)] for _, _, d in keys])
 
 
 def fold_into_experts(sd: dict, norm: str, prefix: str) -> None:

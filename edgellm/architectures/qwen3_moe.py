@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 
 from . import llama
+from .registry import GgufLayout
 from .moe import Routing, SparseMoE, stack_experts
 
 
@@ -41,7 +42,18 @@ def unsupported(cfg) -> list[str]:
     return out
 
 
+def _gguf_fix(raw: dict, key, names: tuple, values) -> None:
+    """Qwen3-MoE as llama.cpp writes it (conversion/qwen.py, Qwen2MoeModel's tensors): every
+    layer sparse, the experts' width under `expert_feed_forward_length` (transformers' GGUF table
+    leaves it out), the chosen weights normalised unless `expert_weights_norm` says otherwise."""
+    raw["norm_topk_prob"] = bool(key("expert_weights_norm", True))
+    raw["mlp_only_layers"], raw["decoder_sparse_step"] = [], 1
+
+
 ARCHITECTURE = dataclasses.replace(llama.relative(
     "qwen3_moe", "Qwen3-MoE (Qwen3 with mixture-of-experts feed-forwards: Qwen3-30B-A3B)",
-    llama.Variant(qk_norm="head", ffn=sparse), "Qwen3-MoE", unsupported=unsupported),
-    merge=merge)
+    llama.Variant(qk_norm="head", ffn=sparse), "Qwen3-MoE", unsupported=unsupported,
+    gguf=GgufLayout("qwen3moe", keys={
+        "expert_count": "num_experts", "expert_used_count": "num_experts_per_tok",
+        "expert_feed_forward_length": "moe_intermediate_size", "attention.key_length": "head_dim"},
+        fix=_gguf_fix)), merge=merge)

@@ -40,8 +40,7 @@ REFUSED_TYPES = {
 }
 # llama.cpp's names (GGUF general.architecture) of refused model_types, where they differ
 GGUF_REFUSED = {"qwen35": "qwen3_5", "qwen35moe": "qwen3_5_moe", "qwen2moe": "qwen2_moe",
-                "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss", "lfm2moe": "lfm2_moe",
-                "qwen3next": "qwen3_next"}
+                "gpt-oss": "gpt_oss", "qwen3next": "qwen3_next"}
 # ExecuTorch base.model_class values edgellm refuses, with the reason
 REFUSED_CLASSES = {
     "llama3_2_vision": "a torchtune multimodal decoder: edgellm has no vision architecture",
@@ -81,6 +80,9 @@ class GgufLayout:
     # (config dict so far, key(name, default) reading "ARCH.name", tensor names, values(name))
     # -> None: what transformers' tables leave out and llama.cpp keeps in code or in tensors
     fix: Callable | None = None
+    # the architecture whose transformers tensor processor undoes the converter's changes, where
+    # it is not `arch` (LFM2-MoE's squeezed conv kernels are LFM2's)
+    processor: str | None = None
 
 
 @dataclass(frozen=True)

@@ -84,10 +84,13 @@ def load_gguf(path: Path) -> Source:
     state, stored = {}, {}
 
     def weight(name: str) -> torch.Tensor:
-        out = np.asarray(processor.process(weights=values(name), name=name).weights,
-                         dtype=np.float32)
-        return torch.from_numpy(out if _whole(out) else np.array(out))
+        return _tensor(np.asarray(processor.process(weights=values(name), name=name).weights,
+                                  dtype=np.float32))
 
+    for hf_name, experts in _stacked_experts(path, arch, cfg, skeleton, tensors,
+                                             functools.partial(_expert_values, path, blob,
+                                                               header.data_start, tensors)):
+        state[hf_name] = experts
     wanted = [name for name in names if name in hf_names]
     with ThreadPoolExecutor(os.cpu_count() or 1) as pool:  # numpy lets go of the GIL
         for name, tensor in zip(wanted, pool.map(weight, wanted)):
@@ -110,23 +113,43 @@ def load_gguf(path: Path) -> Source:
 
 def _values(path: Path, blob: np.ndarray, data_start: int, tensors: dict, name: str) -> np.ndarray:
     """One tensor of the mapped file as float32, dequantized by gguf, in torch's shape."""
+    info = tensors[name]
+    return _decode(path, name, blob, data_start + info.offset, info.nbytes, info.ggml_type,
+                   tuple(info.shape))
+
+
+def _expert_values(path: Path, blob: np.ndarray, data_start: int, tensors: dict, name: str,
+                   expert: int) -> np.ndarray:
+    """One expert's slice (E, ...) -> (...) of a stacked experts tensor, as `_values` gives a
+    whole tensor: llama.cpp stores the experts one after another, each whole rows."""
+    info = tensors[name]
+    size = info.nbytes // info.shape[0]
+    return _decode(path, f"{name}[{expert}]", blob, data_start + info.offset + expert * size,
+                   size, info.ggml_type, tuple(info.shape[1:]))
+
+
+def _decode(path: Path, name: str, blob: np.ndarray, start: int, size: int, ggml_type: int,
+            shape: tuple) -> np.ndarray:
     import gguf
 
-    info = tensors[name]
-    start = data_start + info.offset
-    data, kind = blob[start:start + info.nbytes], gguf.GGMLQuantizationType(info.ggml_type)
-    if data.size < info.nbytes:
+    data, kind = blob[start:start + size], gguf.GGMLQuantizationType(ggml_type)
+    if data.size < size:
         raise _unreadable(path, ValueError(f"tensor {name} ends past the end of the file"))
     if kind == gguf.GGMLQuantizationType.F32:
         out = data.view(np.float32)
     elif kind == gguf.GGMLQuantizationType.F16:
         out = data.view(np.float16).astype(np.float32)
     else:
-        out = _dequantize(data.reshape(-1, info.nbytes // _rows(info.shape)), kind)
-    if out.size != math.prod(info.shape):
+        out = _dequantize(data.reshape(-1, size // _rows(shape)), kind)
+    if out.size != math.prod(shape):
         raise _unreadable(path, ValueError(f"tensor {name} holds {out.size} values for shape "
-                                           f"{info.shape}"))
-    return out.reshape(info.shape)
+                                           f"{shape}"))
+    return out.reshape(shape)
+
+
+def _tensor(array: np.ndarray) -> torch.Tensor:
+    """A dequantized array as a tensor, copied only where it views the mapped file (or more)."""
+    return torch.from_numpy(array if _whole(array) else np.array(array))
 
 
 def _whole(array: np.ndarray) -> bool:
@@ -261,7 +284,43 @@ def _hf_names(path: Path, arch: str, cfg, skeleton) -> dict:
         gguf_name = names.get_name(base)
         if gguf_name is not None:
             found[f"{gguf_name}.{leaf}"] = hf_name
+        elif (not hf_name.endswith(("experts.gate_up_proj", "experts.down_proj"))
+              and names.get_name(hf_name) is not None):
+            # a module's own tensor (LFM2-MoE's expert_bias), which the converter writes as .bias
+            found[f"{names.get_name(hf_name)}.bias"] = hf_name
     return found
+
+
+EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")  # llama.cpp's, stacked (E, ..)
+
+
+def _stacked_experts(path: Path, arch: str, cfg, skeleton, tensors: dict, expert):
+    """(name, moe.Deferred) for transformers' stacked experts of every sparse block:
+    `experts.gate_up_proj` (E, 2F, D) from the file's `blk.N.ffn_gate_exps` and `ffn_up_exps`,
+    `experts.down_proj` (E, D, F) from `ffn_down_exps`. Nothing is read until an expert is
+    (`expert(name, e)`: that expert's slice of the mapped file, dequantized), so a quantized
+    export reads them one at a time, as it does a folder's."""
+    import gguf
+
+    from ..architectures.moe import Deferred
+
+    kind = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
+    names = gguf.get_tensor_name_map(kind, cfg.num_hidden_layers)
+    for hf_name in skeleton.state_dict():
+        down = names.get_name(hf_name) if hf_name.endswith("experts.down_proj") else None
+        if down is None:
+            continue
+        gate, up, down = (f"{down.replace(EXPERT_TENSORS[2], t)}.weight" for t in EXPERT_TENSORS)
+        missing = [n for n in (gate, up, down) if n not in tensors]
+        if missing:
+            raise InputError(f"{path} lacks {', '.join(missing)}: its config has experts in that "
+                             "layer. The file is damaged or was written by another tool.")
+        e, f, d = tensors[gate].shape
+        yield hf_name[:-len("down_proj")] + "gate_up_proj", Deferred(
+            (e, 2 * f, d), torch.float32, lambda x, g=gate, u=up: _tensor(
+                np.concatenate([expert(g, x), expert(u, x)])))
+        yield hf_name, Deferred(tuple(tensors[down].shape), torch.float32,
+                                lambda x, n=down: _tensor(expert(n, x)))
 
 
 def _processor(layout, raw: dict):
@@ -271,4 +330,4 @@ def _processor(layout, raw: dict):
 
     if layout.permuted:
         return LlamaTensorProcessor(config=raw)
-    return TENSOR_PROCESSORS.get(layout.arch, TensorProcessor)(config=raw)
+    return TENSOR_PROCESSORS.get(layout.processor or layout.arch, TensorProcessor)(config=raw)
