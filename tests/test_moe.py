@@ -252,3 +252,22 @@ def test_a_verification_the_machine_cannot_hold_is_refused_before_any_work(
     err = capsys.readouterr().err
     assert code == 2 and "this machine has 1.00 MB available. Export with --no-verify" in err, err
     assert "Verification holds transformers' fp32 model" in err and not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("arch, backend", [("lfm2_moe", "portable"), ("qwen3_moe", "vulkan")])
+def test_float_experts_lower_and_verify_on_portable_and_vulkan(exported, arch, backend):
+    """Float experts on the other two backends, verified as every export is: the portable
+    program run here, a prompt then a token per call, against transformers (fp32 bounds); the
+    Vulkan program's exported graph (its delegates do not run here), with the linears delegated
+    and the gathers and top-k left to ExecuTorch's CPU kernels."""
+    _, report = exported(arch, backends=backend, etrecord=False, **LONG)
+    checks = {c["level"]: c for c in report["verify"]["checks"]}
+    assert report["verify"]["passed"] and checks["rewrite"]["min_sqnr_db"] == 60.0
+    level = "program" if backend == "portable" else "exported graph"
+    assert checks[level]["passed"] and checks[level]["top1"] == 1.0
+    d = report["methods"]["forward"]["delegation"]
+    assert (d["subgraphs"] > 0) == (backend == "vulkan")
+    if backend == "vulkan":  # 2 sparse blocks' top-k, and their expert gathers, on the CPU
+        ops = d["by_op"]
+        assert ops["aten_topk_default"]["non_delegated"] == 2
+        assert ops["aten_index_tensor"]["non_delegated"] >= 4
