@@ -5,6 +5,11 @@ with 4-bit experts (the kernel an 8da4w program runs), the float experts gathere
 measured bandwidth. Decode (1 token) and a prompt chunk. Best of 5 calls each; the op is the same
 C++ kernel the runtime runs (its ATen registration).
 
+`--every-expert` adds the formulation XNNPACK can delegate whole: every expert computed, as two
+8da4w linears (D -> E x 2F for gate and up, E x F -> D for down, the hidden scaled by the routing
+weights, zero for the experts not chosen: the same sum), lowered to XNNPACK and run by
+ExecuTorch's runtime. It reads all E experts where the op reads k.
+
 usage: python bench/moe_kernels.py [--shape 32,4,2048,1792] [--tokens 1,4] [--threads 2]
 """
 
@@ -25,12 +30,58 @@ def bandwidth_gbs(nbytes: int = 1 << 30) -> float:
     return 2 * nbytes / best_ms(lambda: dst.copy_(src)) / 1e6
 
 
+class EveryExpert(torch.nn.Module):
+    """The block's experts as two linears; routing weights (N, E) given, zero where not chosen."""
+
+    def __init__(self, block: SparseMoE):
+        super().__init__()
+        e, f, d = block.routing.experts, block.width, block.hidden
+        self.e, self.f = e, f
+        self.up = torch.nn.Linear(d, e * 2 * f, bias=False)
+        self.down = torch.nn.Linear(e * f, d, bias=False)
+        with torch.no_grad():
+            self.up.weight.copy_(block.experts.gate_up_proj.reshape(e * 2 * f, d))
+            self.down.weight.copy_(block.experts.down_proj.permute(1, 0, 2).reshape(d, e * f))
+
+    def forward(self, x, weights):
+        h = self.up(x).view(-1, self.e, 2 * self.f)
+        gate, lin = h.split(self.f, dim=-1)
+        h = torch.nn.functional.silu(gate) * lin * weights.unsqueeze(-1)
+        return self.down(h.reshape(-1, self.e * self.f))
+
+
+def every_expert_ms(block: SparseMoE, xs: dict, group: int) -> dict:
+    """{tokens: ms} of EveryExpert, 8da4w, lowered to XNNPACK, through ExecuTorch's runtime."""
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.exir import to_edge_transform_and_lower
+    from executorch.runtime import Runtime
+    from torchao.quantization import quantize_
+
+    from edgellm.quantize.recipes import torchao_config
+
+    module = EveryExpert(block).eval()
+    quantize_(module, torchao_config(4, group, dynamic=True))
+    out = {}
+    for n, x in xs.items():
+        weights = torch.zeros(n, block.routing.experts)
+        weights[:, :block.routing.top_k] = 1.0 / block.routing.top_k
+        ep = torch.export.export(module, (x, weights))
+        program = to_edge_transform_and_lower(ep, partitioner=[XnnpackPartitioner()])
+        buffer = program.to_executorch().buffer  # the runtime reads it in place: kept alive
+        loaded = Runtime.get().load_program(buffer)
+        method = loaded.load_method("forward")
+        out[n] = best_ms(lambda: method.execute([x, weights]))
+        del method, loaded, buffer
+    return out
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="32,4,2048,1792", help="experts, chosen, hidden, width")
     p.add_argument("--tokens", default="1,4")
     p.add_argument("--group", type=int, default=32)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--every-expert", action="store_true")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     e, k, d, f = map(int, a.shape.split(","))
@@ -42,6 +93,7 @@ def main():
         xs = {n: torch.randn(n, d) for n in map(int, a.tokens.split(","))}
         for n, x in xs.items():
             gathered[n] = best_ms(lambda: block(x))
+        every = every_expert_ms(block, xs, a.group) if a.every_expert else {}
         block.use_packed(pack_experts(block.experts.gate_up_proj, 4, a.group),
                          pack_experts(block.experts.down_proj, 4, a.group), 4, a.group)
         chosen = (block.packed_w13.nbytes + block.packed_w2.nbytes) * k // e
@@ -51,9 +103,11 @@ def main():
             op = best_ms(lambda: block(x))
             rows.append({"tokens": n, "op_4bit_ms": round(op, 2),
                          "gathered_fp32_ms": round(gathered[n], 2),
+                         "every_expert_8da4w_xnnpack_ms": every.get(n) and round(every[n], 2),
                          "floor_ms_decode": round(chosen / gbs / 1e6, 3)})
             print(f"{n:4d} tokens: op 4-bit {op:8.2f} ms   float gathered {gathered[n]:8.2f} ms   "
-                  f"floor (chosen experts' 4-bit bytes, one token) {chosen / gbs / 1e6:.3f} ms")
+                  + (f"every expert 8da4w XNNPACK {every[n]:8.2f} ms   " if every else "")
+                  + f"floor (chosen experts' 4-bit bytes, one token) {chosen / gbs / 1e6:.3f} ms")
     print(json.dumps({"shape": [e, k, d, f], "group": a.group, "threads": a.threads,
                       "bandwidth_gbs": round(gbs, 1), "rows": rows}))
 

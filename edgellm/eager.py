@@ -67,6 +67,11 @@ def eager_model(cfg: ExportConfig, plan, stages: Stages,
     if cfg.memory_budget is not None:  # the state alone, before verification's reference runs
         check_budget(cfg, None if quantizing else weight_bytes(model), state_report(model),
                      kv_cache_report(model))
+    if cfg.quantize and cfg.experts == "every":  # counted as read: every expert will run
+        from .architectures.moe import SparseMoE
+
+        for block in (m for m in model.modules() if isinstance(m, SparseMoE)):
+            block.reads_every = True
     made("build", model)
     source.state_dict = {}  # the model holds the tensors now
     drop_checkpoint_pages()  # pages of checkpoint weights the build replaced

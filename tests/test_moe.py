@@ -76,32 +76,78 @@ def quantized(exported):
                     **LONG)
 
 
-def test_4bit_program_runs_the_chosen_experts_in_executorchs_op(quantized, tiny_models):
-    """An 8da4w export: the attention, conv and dense layers in XNNPACK, each sparse block one
-    `llama::quantized_moe_ffn` beside them; the program follows its eager model (the same
-    blobs through the op's ATen kernel) greedily, a prompt then a token per call."""
+def follows_its_eager_model(folder, tiny_models, min_sqnr_db=None, **options) -> None:
+    """The program at `folder` against its eager model (made as the export made it), both fed
+    the eager model's greedy tokens, a prompt then a token per call: the same greedy token at
+    every step, or (`min_sqnr_db`: XNNPACK's 8-bit activations round apart from torchao's eager
+    reference, and a tiny random model's flat logits flip) logits within that SQNR."""
     from edgellm.config import ExportConfig
     from edgellm.backends import plan_for
     from edgellm.eager import eager_model
     from edgellm.progress import Stages
     from edgellm.runtime import Program
 
-    folder, report = quantized
-    assert report["quantization"]["expert_blocks_packed"] == 2  # layers 1 and 2 of 3
-    ops = report["methods"]["forward"]["delegation"]["by_op"]
-    assert ops["llama_quantized_moe_ffn_default"] == {"delegated": 0, "non_delegated": 2}
-    cfg = ExportConfig(model=tiny_models["lfm2_moe"][0], quantize="8da4w", group_size=32, **LONG)
+    cfg = ExportConfig(model=tiny_models["lfm2_moe"][0], **options, **LONG)
     model = eager_model(cfg, plan_for(cfg), Stages(quiet=True)).model
     program = Program(folder / "model.pte")
-    ids, pos = [5, 17, 42, 99, 3, 64, 128], 0
+    ids, pos, wants, gots = [5, 17, 42, 99, 3, 64, 128], 0, [], []
     with torch.no_grad():
         for _ in range(8):
             step = torch.tensor([ids[pos:]])
-            want = model(step, torch.tensor([pos]))[0]
-            got = program.forward(step, torch.tensor([pos]))[0]
-            assert int(got.argmax()) == int(want.argmax())
+            wants.append(model(step, torch.tensor([pos]))[0])
+            gots.append(program.forward(step, torch.tensor([pos]))[0])
             pos = len(ids)
-            ids.append(int(want.argmax()))
+            ids.append(int(wants[-1].argmax()))
+    want, got = torch.stack(wants), torch.stack(gots)
+    if min_sqnr_db is None:
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+    else:
+        sqnr = 10 * torch.log10(want.pow(2).sum() / (got - want).pow(2).sum())
+        assert sqnr >= min_sqnr_db, f"{sqnr:.1f} dB"
+
+
+def test_4bit_program_runs_the_chosen_experts_in_executorchs_op(quantized, tiny_models):
+    """An 8da4w export: the attention, conv and dense layers in XNNPACK, each sparse block one
+    `llama::quantized_moe_ffn` beside them; the program follows its eager model (the same
+    blobs through the op's ATen kernel) greedily, a prompt then a token per call."""
+    folder, report = quantized
+    assert report["quantization"]["expert_blocks_packed"] == 2  # layers 1 and 2 of 3
+    assert report["quantization"]["experts"] == "op"
+    ops = report["methods"]["forward"]["delegation"]["by_op"]
+    assert ops["llama_quantized_moe_ffn_default"] == {"delegated": 0, "non_delegated": 2}
+    follows_its_eager_model(folder, tiny_models, quantize="8da4w", group_size=32)
+
+
+@pytest.mark.parametrize("name", ROUTINGS)
+def test_every_expert_as_two_linears_is_the_gathered_sum(name):
+    """`--experts every`: every expert computed by two linears, the hidden scaled by the routing
+    weights (zero where not chosen), equals the chosen experts' sum in float."""
+    from edgellm.architectures.moe import every_expert_linears
+
+    block = random_block(ROUTINGS[name])
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = block(x)
+        block.use_linears(*every_expert_linears(block))
+        assert (block(x) - expected).abs().max() <= 1e-6 * expected.abs().max(), name
+
+
+def test_every_expert_program_delegates_the_experts_to_xnnpack(exported, tiny_models):
+    """`--experts every` with 8da4w: each block's two expert linears are XNNPACK's (no
+    llama::quantized_moe_ffn), a token counts every expert as read, and the program follows its
+    eager model (within XNNPACK's activation rounding)."""
+    folder, report = exported("lfm2_moe", quantize="8da4w", group_size=32, experts="every",
+                              verify=False, etrecord=False, **LONG)
+    assert report["quantization"]["experts"] == "every"
+    assert report["parameters"]["per_token"] == report["parameters"]["total"]
+    ops = report["methods"]["forward"]["delegation"]["by_op"]
+    assert "llama_quantized_moe_ffn_default" not in ops
+    assert ops["aten_topk_default"]["non_delegated"] == 2  # routing stays on the CPU
+    linears = report["quantization"]["linears_quantized"]  # and 2 per sparse block beside them
+    assert ops["torchao_quantize_affine_default"] == {"delegated": linears + 4, "non_delegated": 0}
+    assert ops["aten_linear_default"]["non_delegated"] == 0
+    follows_its_eager_model(folder, tiny_models, min_sqnr_db=15, quantize="8da4w",
+                            group_size=32, experts="every")
 
 
 def test_a_token_reads_its_chosen_experts_only(quantized, tiny_models):

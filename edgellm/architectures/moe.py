@@ -130,6 +130,7 @@ class SparseMoE(nn.Module):
             self.expert_bias = nn.Parameter(torch.empty(routing.experts), requires_grad=False)
         self.bits = None  # 4 or 8 once use_packed gave the experts to the op
         self.group = None
+        self.reads_every = False  # every expert will run (use_linears): a token reads them all
 
     def route(self, x):
         """x (N, D) -> the chosen experts' weights (N, k) and indices (N, k), as transformers."""
@@ -149,8 +150,22 @@ class SparseMoE(nn.Module):
     def forward(self, x):
         shape = x.shape
         x = x.reshape(-1, self.hidden)  # (N, D): a call's tokens, or the last one
-        out = self._op(x) if self.bits else self._gather(x)
+        if self.bits:
+            out = self._op(x)
+        else:
+            out = self._every(x) if hasattr(self, "up") else self._gather(x)
         return out.view(shape)
+
+    def _every(self, x):
+        """Every expert at once: gate and up as one linear (D -> E x 2F), the hidden scaled by
+        the routing weights (zero for the experts not chosen), down as one linear (E x F -> D):
+        the gathered sum, with the experts in two linears a delegate takes whole."""
+        weights, idx = self.route(x)
+        e, f = self.routing.experts, self.width
+        dense = x.new_zeros(x.shape[0], e).scatter(1, idx, weights)  # (N, E)
+        gate, lin = self.up(x).view(-1, e, 2 * f).split(f, dim=-1)
+        h = F.silu(gate) * lin * dense.unsqueeze(-1)  # (N, E, F)
+        return self.down(h.reshape(-1, e * f))
 
     def _gather(self, x):
         if self.experts.deferred:
@@ -186,12 +201,35 @@ class SparseMoE(nn.Module):
         self.register_buffer("packed_w2", w2)
         self.bits, self.group = bits, group
 
+    def use_linears(self, up: nn.Module, down: nn.Module) -> None:
+        """Run every expert as two linears (`_every`; quantize/experts.py makes them from the
+        experts, `every_expert_linears`), dropping the stacked experts."""
+        del self.experts
+        self.up, self.down = up, down
+
     def expert_tensors(self) -> tuple[list, float]:
-        """The experts' tensors (float Parameters, or packed buffers once quantized) and the share
-        of them a token reads (k / E)."""
+        """The experts' tensors (float Parameters, packed buffers or the two linears' weights
+        once quantized) and the share of them a token reads (k / E; all of them where every
+        expert runs, `reads_every`)."""
+        if hasattr(self, "up"):
+            return [self.up.weight, self.down.weight], 1.0
         tensors = ([self.packed_w13, self.packed_w2] if self.bits else
                    [self.experts.gate_up_proj, self.experts.down_proj])
-        return tensors, self.routing.top_k / self.routing.experts
+        return tensors, 1.0 if self.reads_every else self.routing.top_k / self.routing.experts
+
+
+def every_expert_linears(block: SparseMoE) -> tuple[nn.Linear, nn.Linear]:
+    """The block's float experts as `_every`'s two linears: gate_up_proj (E, 2F, D) as one
+    (E x 2F, D) weight (a view), down_proj (E, D, F) as one (D, E x F) (a copy), read from the
+    checkpoint where they were deferred."""
+    e, f, d = block.routing.experts, block.width, block.hidden
+    up = nn.Linear(d, e * 2 * f, bias=False, device="meta")
+    down = nn.Linear(e * f, d, bias=False, device="meta")
+    up.weight = nn.Parameter(block.experts.read("gate_up_proj").reshape(e * 2 * f, d),
+                             requires_grad=False)
+    down.weight = nn.Parameter(block.experts.read("down_proj").permute(1, 0, 2).reshape(d, e * f),
+                               requires_grad=False)
+    return up, down
 
 
 def quantizable(module: SparseMoE, group: int) -> str | None:

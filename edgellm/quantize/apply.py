@@ -33,13 +33,14 @@ class Quantized:
     linears_left_float: list = field(default_factory=list)  # inputs the group does not divide
     linears_on_source_grid: int = 0  # 4-bit grids kept exactly (GGUF Q4_0 / Q4_1 / Q4_K)
     linears_at_8_bits: list = field(default_factory=list)  # the source stores them above 4 bits
-    expert_blocks_packed: int = 0  # sparse blocks whose experts llama::quantized_moe_ffn runs
+    expert_blocks_packed: int = 0  # sparse blocks whose experts were quantized
+    experts: str | None = None  # how they run: "op" (llama::quantized_moe_ffn) or "every"
     embeddings_stored_as: str | None = None  # the source's type that kept the table at 8 bits
     patches: dict = field(default_factory=dict)  # {name: "on" or why not}: report.json's `patches`
 
     def report(self) -> dict:
         return {k: v for k, v in asdict(self).items() if k not in ("bytes_saved", "patches")
-                and (v or k != "expert_blocks_packed")}  # the last for mixture-of-experts only
+                and (v or k not in ("expert_blocks_packed", "experts"))}  # mixture of experts
 
     def notes(self) -> list[str]:
         """Lines for stderr: linears left in float (a warning), grids kept, 8-bit exceptions."""
@@ -90,7 +91,8 @@ def quantize(model, cfg, stored: dict | None = None,
     done.bytes_saved += sum(saved for _, saved in kept) + _quantize_linears(model, todo)
     done.linears_quantized = len(todo.linears)
     if todo.experts:
-        done.expert_blocks_packed, saved = quantize_experts(model, *todo.experts)
+        done.expert_blocks_packed, saved = quantize_experts(model, *todo.experts, todo.dynamic)
+        done.experts = todo.experts[2]
         done.bytes_saved += saved
     return done
 

@@ -68,11 +68,15 @@ def pack_experts(weights, bits: int, group: int) -> torch.Tensor:
     return torch.stack([pack(*symmetric(w, bits, group), group, bits) for w in weights])
 
 
-def quantize_experts(model, bits: int, group: int) -> tuple[int, int]:
-    """Every sparse block's experts packed for the op (SparseMoE.use_packed), one block at a time:
-    experts still in the checkpoint (moe.Deferred) are read an expert at a time as they are
-    packed, and the checkpoint pages read for them handed back. Returns (blocks, bytes a
-    decode step saves: the chosen experts' float bytes less their packed ones)."""
+def quantize_experts(model, bits: int, group: int, formulation: str = "op",
+                     dynamic: bool = True) -> tuple[int, int]:
+    """Every sparse block's experts quantized, one block at a time: "op", packed for
+    `llama::quantized_moe_ffn` (SparseMoE.use_packed); "every", as the two linears of
+    `moe.every_expert_linears`, quantized by torchao as the recipe's linears are
+    (SparseMoE.use_linears). Experts still in the checkpoint (moe.Deferred) are read as they are
+    quantized (for the op an expert at a time), and the checkpoint pages read for them handed
+    back after each block. Returns (blocks, bytes a decode step saves: the float bytes of the
+    experts a token reads less their quantized ones)."""
     from ..architectures.moe import SparseMoE
     from ..memory import drop_checkpoint_pages
 
@@ -84,10 +88,29 @@ def quantize_experts(model, bits: int, group: int) -> tuple[int, int]:
     saved = 0
     for block in blocks:
         before, experts = chosen(block), block.experts
-        w13 = pack_experts(experts.rows("gate_up_proj"), bits, group)
-        w2 = pack_experts(experts.rows("down_proj"), bits, group)
-        block.use_packed(w13, w2, bits, group)
-        saved += before - chosen(block)
+        if formulation == "every":
+            saved += before - _as_linears(block, bits, group, dynamic)
+        else:
+            w13 = pack_experts(experts.rows("gate_up_proj"), bits, group)
+            w2 = pack_experts(experts.rows("down_proj"), bits, group)
+            block.use_packed(w13, w2, bits, group)
+            saved += before - chosen(block)
         if experts.deferred:
             drop_checkpoint_pages()
     return len(blocks), saved
+
+
+def _as_linears(block, bits: int, group: int, dynamic: bool) -> int:
+    """The block's experts as two linears quantized with torchao; returns their bytes."""
+    from torchao.quantization import quantize_
+
+    from ..architectures.moe import every_expert_linears
+    from .grid import packed_bytes
+    from .recipes import torchao_config
+
+    up, down = every_expert_linears(block)
+    size = packed_bytes(up.weight, bits, group) + packed_bytes(down.weight, bits, group)
+    block.use_linears(up, down)
+    quantize_(block, torchao_config(bits, group, dynamic),
+              filter_fn=lambda m, fqn: m is up or m is down)
+    return size

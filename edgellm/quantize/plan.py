@@ -33,7 +33,7 @@ class Plan:
     embeddings: str | None = None  # the table recipe as given, or as the source made it
     embeddings_stored_as: str | None = None  # the source's type that kept the table at 8 bits
     head_in_table: bool = False  # the head is the table: decode reads all of it
-    experts: tuple | None = None  # (bits, group) of mixture-of-experts blocks' experts
+    experts: tuple | None = None  # (bits, group, "op" or "every") of mixture-of-experts blocks
 
 
 def stored_bits(kind: str | None) -> int | None:
@@ -101,7 +101,8 @@ def plan(model, cfg, stored: dict | None = None, experts_refused: str | None = N
         if spared:
             higher.append((module.weight.numel() < largest, name))
     out.at_8_bits += [name for _, name in sorted(higher, key=lambda h: h[0])]  # largest first
-    out.experts = _plan_experts(model, recipe.bits, out.group, experts_refused)
+    out.experts = _plan_experts(model, recipe.bits, out.group, experts_refused,
+                                getattr(cfg, "experts", "op"))
     if not out.linears:
         raise InputError(f"quantize: no linear layer's input width is a multiple of group_size "
                          f"{out.group}; choose a group size that divides the hidden size, or 0 "
@@ -134,10 +135,13 @@ def _plan_tables(out: Plan, model, cfg, recipe, types: dict, four_bit: bool) -> 
                          "width; choose a group that divides the hidden size, or 0 per row")
 
 
-def _plan_experts(model, bits: int, group: int, refused: str | None) -> tuple | None:
-    """(bits, group) for every sparse block's experts (llama::quantized_moe_ffn takes 4 or 8 bits
-    per group, one group for both matrices), or None without such blocks; InputError where the
-    op, or the backend that writes the model (`refused`: why it cannot), cannot take them."""
+def _plan_experts(model, bits: int, group: int, refused: str | None,
+                  formulation: str = "op") -> tuple | None:
+    """(bits, group, formulation) for every sparse block's experts, or None without such blocks:
+    "op", llama::quantized_moe_ffn (4 or 8 bits per group, one group for both matrices), or
+    "every", every expert as two linears of the recipe; InputError where the op (or the
+    linears' group), or the backend that writes the model (`refused`: why it cannot), cannot
+    take them."""
     from ..architectures.moe import SparseMoE, quantizable
 
     blocks = [m for m in model.modules() if isinstance(m, SparseMoE)]
@@ -145,6 +149,8 @@ def _plan_experts(model, bits: int, group: int, refused: str | None) -> tuple | 
         raise InputError(f"quantize: mixture-of-experts layers on {refused}")
     why = next((w for w in (quantizable(b, group) for b in blocks) if w), None)
     if why:
-        raise InputError(f"quantize: the experts go through ExecuTorch's llama::quantized_moe_ffn, "
-                         f"and {why}; choose a group_size that divides both (32 or 64 usually)")
-    return (bits, group) if blocks else None
+        via = ("ExecuTorch's llama::quantized_moe_ffn" if formulation == "op" else
+               "two linears of the recipe (--experts every)")
+        raise InputError(f"quantize: the experts go through {via}, and {why}; choose a "
+                         "group_size that divides both (32 or 64 usually)")
+    return (bits, group, formulation) if blocks else None
