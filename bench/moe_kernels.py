@@ -71,7 +71,6 @@ def every_expert_ms(block: SparseMoE, xs: dict, group: int) -> dict:
         loaded = Runtime.get().load_program(buffer)
         method = loaded.load_method("forward")
         out[n] = best_ms(lambda: method.execute([x, weights]))
-        del method, loaded, buffer
     return out
 
 
