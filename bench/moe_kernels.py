@@ -10,7 +10,12 @@ C++ kernel the runtime runs (its ATen registration).
 weights, zero for the experts not chosen: the same sum), lowered to XNNPACK and run by
 ExecuTorch's runtime. It reads all E experts where the op reads k.
 
+`--chosen` adds `--experts chosen`: the block as the program runs it (edgellm's own lowering,
+lower.lower_experts then lower.lower): routing, then per expert a torch.cond on whether a token
+chose it around that expert's 8da4w XNNPACK delegate. It reads the chosen experts only.
+
 usage: python bench/moe_kernels.py [--shape 32,4,2048,1792] [--tokens 1,4] [--threads 2]
+    [--group 32] [--every-expert] [--chosen]
 """
 
 import argparse
@@ -74,6 +79,32 @@ def every_expert_ms(block: SparseMoE, xs: dict, group: int) -> dict:
     return out
 
 
+def chosen_ms(block: SparseMoE, xs: dict, group: int) -> dict:
+    """{tokens: ms} of the block with `--experts chosen`, 8da4w, through ExecuTorch's runtime."""
+    import copy
+
+    from executorch.runtime import Runtime
+
+    from edgellm import patches
+    from edgellm.backends import get_backend
+    from edgellm.lower import LOWERING_PATCHES, lower, lower_experts
+    from edgellm.quantize.experts import quantize_experts
+
+    xnnpack = get_backend("xnnpack")
+    patches.apply(xnnpack.patches + LOWERING_PATCHES)
+    block = copy.deepcopy(block)
+    quantize_experts(block, 4, group, "chosen")
+    lower_experts(block, lambda: xnnpack.make_partitioners(xnnpack.options()), max(xs))
+    out = {}
+    for n, x in xs.items():
+        ep = torch.export.export(block, (x,), strict=False)
+        program = lower({"forward": ep}, xnnpack.make_partitioners(xnnpack.options()), {},
+                        etrecord=False).program
+        method = Runtime.get().load_program(program.buffer).load_method("forward")
+        out[n] = best_ms(lambda: method.execute([x]))
+    return out
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="32,4,2048,1792", help="experts, chosen, hidden, width")
@@ -81,6 +112,7 @@ def main():
     p.add_argument("--group", type=int, default=32)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--every-expert", action="store_true")
+    p.add_argument("--chosen", action="store_true")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     e, k, d, f = map(int, a.shape.split(","))
@@ -93,9 +125,10 @@ def main():
         for n, x in xs.items():
             gathered[n] = best_ms(lambda: block(x))
         every = every_expert_ms(block, xs, a.group) if a.every_expert else {}
+        chosen = chosen_ms(block, xs, a.group) if a.chosen else {}
         block.use_packed(pack_experts(block.experts.gate_up_proj, 4, a.group),
                          pack_experts(block.experts.down_proj, 4, a.group), 4, a.group)
-        chosen = (block.packed_w13.nbytes + block.packed_w2.nbytes) * k // e
+        read = (block.packed_w13.nbytes + block.packed_w2.nbytes) * k // e
         gbs = bandwidth_gbs()
         rows = []
         for n, x in xs.items():
@@ -103,10 +136,12 @@ def main():
             rows.append({"tokens": n, "op_4bit_ms": round(op, 2),
                          "gathered_fp32_ms": round(gathered[n], 2),
                          "every_expert_8da4w_xnnpack_ms": every.get(n) and round(every[n], 2),
-                         "floor_ms_decode": round(chosen / gbs / 1e6, 3)})
+                         "chosen_8da4w_xnnpack_ms": chosen.get(n) and round(chosen[n], 3),
+                         "floor_ms_decode": round(read / gbs / 1e6, 3)})
             print(f"{n:4d} tokens: op 4-bit {op:8.2f} ms   float gathered {gathered[n]:8.2f} ms   "
                   + (f"every expert 8da4w XNNPACK {every[n]:8.2f} ms   " if every else "")
-                  + f"floor (chosen experts' 4-bit bytes, one token) {chosen / gbs / 1e6:.3f} ms")
+                  + (f"chosen, 8da4w XNNPACK {chosen[n]:8.3f} ms   " if chosen else "")
+                  + f"floor (chosen experts' 4-bit bytes, one token) {read / gbs / 1e6:.3f} ms")
     print(json.dumps({"shape": [e, k, d, f], "group": a.group, "threads": a.threads,
                       "bandwidth_gbs": round(gbs, 1), "rows": rows}))
 

@@ -28,6 +28,9 @@ def export_forward(model: torch.nn.Module, max_seq_len: int, dynamic: bool) -> E
 
 def export_methods(model: torch.nn.Module, max_seq_len: int, dynamic: bool,
                    prefill_chunk: int) -> dict[str, ExportedProgram]:
+    # inference weights: no tensor of the program asks for gradients (a retrace that meets a
+    # torch.cond with inputs that do traces its branches again for autograd's sake)
+    model.requires_grad_(False)
     programs = {"forward": export_forward(model, max_seq_len, dynamic)}
     if prefill_chunk:
         with torch.no_grad():

@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import operator
 import warnings
 from dataclasses import dataclass, field
+from typing import Callable
 
+import torch
 from torch.export import ExportedProgram
+from torch.utils._pytree import tree_leaves
 
 DEPRECATION_CATEGORIES = (DeprecationWarning, PendingDeprecationWarning, FutureWarning)
 
@@ -131,7 +135,167 @@ def _takes_arguments(cached) -> bool:
 LOWERING_PATCHES = ("exir.composite_fake_runs", "exir.kept_op_fake_runs",
                     "exir.chained_edge_passes", "exir.one_decomposition_trace",
                     "exir.legalize_in_place", "exir.delegate_fake_outputs",
-                    "emit.constants_by_reference")
+                    "emit.constants_by_reference", "emit.functionalization_removed_once")
+
+
+class BranchOutputsInPlace:
+    """ExecuTorch's memory planning (its `MemoryPlanningAlgorithmSuite`), then every torch.cond
+    branch's outputs placed where the cond's own outputs are planned, so that a branch writes its
+    result there. Upstream plans them in the arena every control-flow branch shares and moves
+    the cond's value onto them (MoveCall, a pointer): a second cond run while the first one's
+    result is still to be read overwrites it (ExecuTorch issue 21490, open in 1.5.1), which is
+    what `--experts chosen` does, a cond per expert, their results summed after. The outer
+    planning already gives each cond output its own place for as long as it is read."""
+
+    def __init__(self):
+        from executorch.exir.memory_planning import MemoryPlanningAlgorithmSuite
+
+        self.inner = MemoryPlanningAlgorithmSuite()
+
+    def __call__(self, alignment, specs, graph_module, *args, **kwargs) -> list[int]:
+        sizes = self.inner(alignment, specs, graph_module, *args, **kwargs)
+        for node in graph_module.graph.nodes:
+            if node.op != "call_function" or node.target is not torch.ops.higher_order.cond:
+                continue
+            outers = tree_leaves(node.meta["spec"])
+            for branch in node.args[1:3]:
+                made = tree_leaves(getattr(graph_module, branch.target).graph.output_node().args)
+                for inner, outer in zip(made, outers, strict=True):
+                    inner.meta["spec"].mem_id = outer.mem_id
+                    inner.meta["spec"].mem_offset = outer.mem_offset
+        return sizes
+
+
+class _Scaled(torch.nn.Module):
+    """What an expert delegate keeps as its program (lower_experts): the expert's signature and
+    output, `x * w` of shape (N, D), and no weights."""
+
+    def forward(self, x, w):
+        return (x * w,)
+
+
+def lower_experts(model, make_partitioners: Callable[[], list], max_tokens: int,
+                  progress: Callable[[int, int], None] = lambda done, total: None) -> int:
+    """Each expert of the sparse blocks `--experts chosen` quantized (SparseMoE.each, or, left
+    for now, SparseMoE.pending: quantized here a block at a time) lowered to a delegate of its
+    own, for calls of 1..max_tokens tokens, through the same `to_edge_transform_and_lower` as
+    the program, with the first backend's partitioners (`make_partitioners` makes a fresh list
+    per block), a block's experts in one call; each block then calls its delegates behind a
+    torch.cond apiece (SparseMoE.use_delegates), which the program's export traces.
+
+    That trace makes a delegate's outputs by running the delegate's program on fake tensors,
+    which the real program's weights are not; and those weights would stay in memory beside the
+    delegate's own copy. So each delegate keeps a stand-in program (`_Scaled`: the same inputs
+    and output) which holds the real one's op counts for the report (meta "delegated_ops").
+    `progress(done, total)` after each block. Returns the delegates made."""
+    from executorch.exir import EdgeCompileConfig
+
+    from .architectures.moe import SparseMoE
+    from .memory import release_memory
+    from .quantize.experts import quantize_block
+    from .report import op_counts
+
+    blocks = [m for m in model.modules()
+              if isinstance(m, SparseMoE) and (hasattr(m, "each") or m.pending)]
+    total, made = sum(b.routing.experts for b in blocks), 0
+    config = EdgeCompileConfig(_check_ir_validity=False)
+    dims = None
+    if max_tokens > 1:
+        tokens = torch.export.Dim("tokens", min=1, max=max_tokens)
+        dims = ({0: tokens}, {0: tokens})
+    for block in blocks:
+        if block.pending:
+            quantize_block(block)
+        dtype, n = block.gate.weight.dtype, min(2, max_tokens)
+        example = (torch.zeros(n, block.hidden, dtype=dtype), torch.zeros(n, 1, dtype=dtype))
+        stand_in = _export_edge(_Scaled(), example, dims, [], config)
+        experts = _Experts(block.each)
+        graph = _export_edge(experts, example, dims,
+                             [_ByExpert(p) for p in make_partitioners()], config)
+        lowered = _expert_delegates(graph, len(block.each))
+        # the experts are alike: the stand-in keeps the first one's ops
+        stand_in.graph_module.meta["delegated_ops"] = op_counts(
+            lowered[0].original_module.graph_module)
+        for delegate in lowered:
+            delegate._original_exported_program = stand_in
+        block.use_delegates(lowered)
+        del experts, graph, lowered
+        forget_lowered_graphs()  # which hold the block's quantized experts, lowered now
+        release_memory()
+        made += block.routing.experts
+        progress(made, total)
+    return made
+
+
+class _Experts(torch.nn.Module):
+    """A block's experts side by side, lowered in one call (the lowering's fixed costs once a
+    block), each to a delegate of its own (`_ByExpert`)."""
+
+    def __init__(self, experts: torch.nn.ModuleList):
+        super().__init__()
+        self.experts = experts
+
+    def forward(self, x, w):
+        return tuple(expert(x, w) for expert in self.experts)
+
+
+def _ByExpert(inner):
+    """`inner` (a partitioner) whose partitions are cut along the experts of `_Experts`: every
+    node it tags goes to a delegate of its expert's own (the expert its module path names, or,
+    for a weight, the expert of the node that reads it)."""
+    import re
+
+    from executorch.exir.backend.partitioner import Partitioner, PartitionResult
+
+    def expert_of(node) -> int | None:
+        for path, _ in (node.meta.get("nn_module_stack") or {}).values():
+            found = re.match(r"experts\.(\d+)(\.|$)", path)
+            if found:
+                return int(found.group(1))
+        return next((e for e in map(expert_of, node.users) if e is not None), None)
+
+    class ByExpert(Partitioner):
+        def ops_to_not_decompose(self, program):
+            return inner.ops_to_not_decompose(program)
+
+        def partition(self, program) -> PartitionResult:
+            result = inner.partition(program)
+            tags = {}
+            for node in result.tagged_exported_program.graph.nodes:
+                tag = node.meta.get("delegation_tag")
+                if tag:
+                    node.meta["delegation_tag"] = f"{tag}_expert{expert_of(node)}"
+                    tags[node.meta["delegation_tag"]] = result.partition_tags[tag]
+            return PartitionResult(result.tagged_exported_program, tags)
+
+    return ByExpert()
+
+
+def _expert_delegates(graph: ExportedProgram, experts: int) -> list:
+    """`_Experts`' lowered program -> its delegates in expert order; each must have taken its
+    expert whole, from the inputs (x, w) in that order."""
+    module, nodes = graph.graph_module, list(graph.graph.nodes)
+    inputs = [n for n in nodes if n.op == "placeholder"][-2:]  # the user inputs, after weights
+    calls = [out.args[0] for out in nodes[-1].args[0]]
+    left = [str(n.target) for n in nodes if n.op == "call_function"
+            and n.target is not operator.getitem and "call_delegate" not in str(n.target)]
+    if left or len(calls) != experts or any(
+            "call_delegate" not in str(c.target) or list(c.args[1:]) != inputs for c in calls):
+        raise RuntimeError(f"the partitioners did not take each of {experts} experts whole, from "
+                           f"(x, w), in a delegate of its own (left outside: {left}): "
+                           "--experts chosen needs them so")
+    return [getattr(module, c.args[0].target) for c in calls]
+
+
+def _export_edge(module, example: tuple, dims, partitioners: list, config) -> ExportedProgram:
+    """`module` exported and lowered on its own; its warnings are the program's lowering's too,
+    counted there."""
+    from executorch.exir import to_edge_transform_and_lower
+
+    with count_deprecations([], []), torch.no_grad():
+        program = torch.export.export(module, example, dynamic_shapes=dims, strict=False)
+        return to_edge_transform_and_lower(program, partitioner=partitioners or None,
+                                           compile_config=config).exported_program()
 
 
 def lower(programs: dict[str, ExportedProgram], partitioners: list, constant_methods: dict,
@@ -176,7 +340,8 @@ def lower(programs: dict[str, ExportedProgram], partitioners: list, constant_met
     program = edge.to_executorch(ExecutorchBackendConfig(
         do_quant_fusion_and_const_prop=quant_fusion,
         sym_shape_eval_pass=ConstraintBasedSymShapeEvalPass(),
-        memory_planning_pass=MemoryPlanningPass(share_mutable_buffers=len(programs) > 1)))
+        memory_planning_pass=MemoryPlanningPass(memory_planning_algo=BranchOutputsInPlace(),
+                                                share_mutable_buffers=len(programs) > 1)))
     forget_lowered_graphs()
     return Lowered(program=program, delegation=figures, preserved=fates,
                    deprecations=logged, python_deprecations=python, states=states)

@@ -100,12 +100,13 @@ def metadata(cfg: ExportConfig, source, plan) -> dict:
 def export(cfg: ExportConfig, quiet: bool = False) -> dict:
     """Run one export as configured; returns the report (also written as report.json).
 
-    Stages: load, build, quantize (eager.py), export, lower, serialize, inspect. With
-    verification, `made` hands it each stage's product as it is made, the one place the two
-    meet; it runs its own stages (reference, expected, graph, verify) on them."""
+    Stages: load, build, quantize (eager.py), experts (`--experts chosen`), export, lower,
+    serialize, inspect. With verification, `made` hands it each stage's product as it is made,
+    the one place the two meet; it runs its own stages (reference, expected, graph, verify) on
+    them."""
     from .capture import export_methods
     from .eager import eager_model
-    from .lower import LOWERING_PATCHES, lower
+    from .lower import LOWERING_PATCHES, lower, lower_experts
 
     dest = Path(cfg.output)
     check_destination(dest, cfg.force)
@@ -127,14 +128,19 @@ def export(cfg: ExportConfig, quiet: bool = False) -> dict:
         eager = eager_model(cfg, plan, stages, made)
         source, done = eager.source, eager.quantized
         plan, settled = plan.settled(cfg, eager.state["bytes"], eager.weight_bytes)
+        # patches first: they apply to the partitioners made from here on
+        applied = patches.apply(plan.patches + LOWERING_PATCHES)
+        if done and done.experts == "chosen":
+            with stages.stage("experts"):  # a delegate per expert, before the program's export
+                lower_experts(eager.model, lambda: plan.backends[0].make_partitioners(
+                    plan.options[0]), max(cfg.max_seq_len, cfg.prefill_chunk), stages.progress)
         with stages.stage("export"):
             programs = export_methods(eager.model, cfg.max_seq_len, plan.dynamic_shapes,
                                       cfg.prefill_chunk)
         made("export", programs)
         eager.model = None
         release_memory()  # the module graph holds cycles; free it before lowering
-        with stages.stage("lower"):  # patches first: they apply to the partitioners made here
-            applied = patches.apply(plan.patches + LOWERING_PATCHES)
+        with stages.stage("lower"):
             partitioners = plan.partitioners()  # imports the backends' toolchains
             lowered = lower(programs, partitioners, metadata(cfg, source, plan), cfg.etrecord,
                             quant_fusion=cfg.embedding_quantize is not None,

@@ -25,11 +25,14 @@ class Stages:
         self.quiet, self.stream, self.tick = quiet, stream or sys.stderr, tick
         self.records: list[dict] = []
         self.started = time.perf_counter()
+        self.count = ""  # the running stage's "done/total", where it reports one (progress)
+        self.tenth = 0  # and the last tenth of it printed off a terminal
 
     @contextlib.contextmanager
     def stage(self, name: str):
         t0 = time.perf_counter()
         live = self._live(name, t0) if not self.quiet and _is_tty(self.stream) else None
+        self.count, self.tenth = "", 0
         try:
             yield
         finally:
@@ -55,13 +58,21 @@ class Stages:
             i = 0
             while not done.wait(self.tick):
                 self.stream.write(f"\r[edgellm] {name:<10} {time.perf_counter() - t0:8.1f} s   "
-                                  f"RSS {rss_mb():8.0f} MB {spin[i % 4]}")
+                                  f"RSS {rss_mb():8.0f} MB {spin[i % 4]} {self.count}")
                 self.stream.flush()
                 i += 1
 
         done.thread = threading.Thread(target=draw, daemon=True)
         done.thread.start()
         return done
+
+    def progress(self, done: int, total: int) -> None:
+        """Items of the running stage done: on the live line, or off a terminal a line at each
+        tenth of them."""
+        tenth, self.count = done * 10 // total, f"{done}/{total}"
+        if not self.quiet and not _is_tty(self.stream) and tenth > self.tenth:
+            print(f"[edgellm]   {self.count}", file=self.stream, flush=True)
+        self.tenth = max(self.tenth, tenth)
 
     @property
     def wall_s(self) -> float:

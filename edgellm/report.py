@@ -12,10 +12,15 @@ NOT_COMPUTE = ("getitem",)  # get_delegation_info lists no placeholders or outpu
 
 
 def delegates(graph_module):
-    """The lowered backend modules called by a graph, in order."""
+    """The lowered backend modules called by a graph, in order, with those inside its control
+    flow's branches (`--experts chosen`'s delegate per expert, behind a torch.cond)."""
+    from executorch.exir.graph_module import get_control_flow_submodules
+
     for node in graph_module.graph.nodes:
         if node.op == "get_attr" and node.name.startswith("lowered_module_"):
             yield getattr(graph_module, node.target)
+    for _, branch, _ in get_control_flow_submodules(graph_module):
+        yield from delegates(branch)
 
 
 def delegation(graph_module) -> dict:
@@ -29,7 +34,7 @@ def delegation(graph_module) -> dict:
     for lowered in delegates(graph_module):
         entry = per_backend.setdefault(lowered.backend_id, {"subgraphs": 0, "ops": Counter()})
         entry["subgraphs"] += 1
-        entry["ops"].update(_op_counts(lowered.original_module.graph_module))
+        entry["ops"].update(delegate_ops(lowered))
     return {"subgraphs": info.num_delegated_subgraphs,
             "delegated_nodes": info.num_delegated_nodes,
             "non_delegated_nodes": info.num_non_delegated_nodes,
@@ -52,15 +57,22 @@ def op_name(target) -> str:
     return f"{ns}.{base.rstrip('_')}{dot}{overload}" if rest else name
 
 
-def _op_counts(graph_module) -> Counter:
+def op_counts(graph_module) -> Counter:
     return Counter(op_name(n.target) for n in graph_module.graph.nodes if n.op == "call_function")
+
+
+def delegate_ops(lowered) -> Counter:
+    """The ops a delegate took: its program's, or those lower.lower_experts recorded of the
+    program an expert's delegate no longer keeps."""
+    program = lowered.original_module.graph_module
+    return program.meta.get("delegated_ops") or op_counts(program)
 
 
 def op_histogram(programs: dict) -> Counter:
     """Ops of the exported programs, before lowering (which may rewrite them in place)."""
     out = Counter()
     for ep in programs.values():
-        out.update(_op_counts(ep.graph_module))
+        out.update(op_counts(ep.graph_module))
     return out
 
 
@@ -70,7 +82,7 @@ def preserved_report(preserved: list[dict], before: Counter, edge) -> list[dict]
     inside = Counter()
     for name in edge.methods:
         for lowered in delegates(edge.exported_program(name).graph_module):
-            inside.update(_op_counts(lowered.original_module.graph_module))
+            inside.update(delegate_ops(lowered))
     out = []
     for entry in preserved:
         ops = []

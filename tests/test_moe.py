@@ -1,7 +1,8 @@
 """Mixture-of-experts (architectures/moe.py, quantize/experts.py): float experts gathered per
 token climb the families' parity ladder (test_families.py, conftest.FAMILIES); here, the 4- and
-8-bit experts ExecuTorch's `llama::quantized_moe_ffn` runs from torchao-packed blobs, the
-programs that carry it, what a token reads, and what the op cannot take."""
+8-bit experts ExecuTorch's `llama::quantized_moe_ffn` runs from torchao-packed blobs, the other
+formulations of a recipe (`--experts chosen`: a delegate per expert behind a torch.cond;
+`--experts every`), the programs that carry them, what a token reads, and what is refused."""
 
 import pytest
 import torch
@@ -150,6 +151,49 @@ def test_every_expert_program_delegates_the_experts_to_xnnpack(exported, tiny_mo
                             group_size=32, experts="every")
 
 
+@pytest.mark.parametrize("name", ROUTINGS)
+def test_an_expert_apiece_run_when_chosen_is_the_gathered_sum(name):
+    """`--experts chosen` eager: each expert a module of its own, run only on a call where a
+    token chose it, scaled by the routing weights (zero where not chosen), equals the gathered
+    sum in float; an expert no token chose is not run."""
+    from edgellm.architectures.moe import Expert
+
+    block = random_block(ROUTINGS[name])
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected, (_, idx) = block(x), block.route(x[:1])
+        block.use_each(torch.nn.ModuleList(Expert.of(a, b) for a, b in zip(
+            block.experts.gate_up_proj, block.experts.down_proj)))
+        assert (block(x) - expected).abs().max() <= 1e-6 * expected.abs().max(), name
+        ran = set()
+        for e, expert in enumerate(block.each):
+            expert.register_forward_hook(lambda *_, e=e: ran.add(e))
+        block(x[:1])
+        assert ran == set(idx[0].tolist())
+
+
+def test_chosen_experts_program_branches_to_a_delegate_apiece(exported, tiny_models):
+    """`--experts chosen` with 8da4w: each expert of the 2 sparse blocks is an XNNPACK delegate
+    of its own behind a torch.cond on whether a token chose it (8 conds per block, no
+    llama::quantized_moe_ffn); report.json counts their linears as XNNPACK's and a token as
+    reading its chosen experts; the program follows its eager model (within XNNPACK's
+    activation rounding), a prompt then a token per call."""
+    folder, report = exported("lfm2_moe", quantize="8da4w", group_size=32, experts="chosen",
+                              verify=False, etrecord=False, **LONG)
+    assert report["quantization"]["experts"] == "chosen"
+    unread = 2 * (8 - 2) * 3 * 32 * 64
+    assert report["parameters"]["total"] - report["parameters"]["per_token"] == unread
+    d = report["methods"]["forward"]["delegation"]
+    assert "llama_quantized_moe_ffn_default" not in d["by_op"]
+    assert d["by_op"]["cond"] == {"delegated": 0, "non_delegated": 16}
+    xnnpack = d["by_backend"]["XnnpackBackend"]
+    assert xnnpack["subgraphs"] == d["subgraphs"] + 16  # the experts' are inside the branches
+    linears = report["quantization"]["linears_quantized"]  # and each expert's 3 beside them
+    assert xnnpack["ops"]["torchao.quantize_affine.default"] == linears + 48
+    follows_its_eager_model(folder, tiny_models, min_sqnr_db=15, quantize="8da4w",
+                            group_size=32, experts="chosen")
+
+
 def test_a_token_reads_its_chosen_experts_only(quantized, tiny_models):
     """report.json: the parameters a token reads leave out the experts it did not choose (2
     sparse blocks of 8 experts of 3 x 32 x 64, 2 chosen), and so do the bytes: packing the
@@ -189,6 +233,18 @@ def test_experts_the_op_cannot_take_are_refused(tiny_models, tmp_path, capsys, g
     err = capsys.readouterr().err
     assert code == 2 and "llama::quantized_moe_ffn" in err and why in err, err
     assert not (tmp_path / "o").exists()  # refused before anything was written
+
+
+@pytest.mark.parametrize("formulation", ["chosen", "every"])
+def test_a_formulation_of_quantized_experts_without_a_recipe_is_refused(tiny_models, tmp_path,
+                                                                        capsys, formulation):
+    """`--experts chosen|every` says how a recipe's experts run: without one the experts stay
+    float and gathered, so the flag would do nothing, and is refused saying so."""
+    code = main(["export", str(tiny_models["lfm2_moe"][0]), "-o", str(tmp_path / "o"),
+                 "--experts", formulation, "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2 and f"experts: '{formulation}' is how a recipe's experts run" in err, err
+    assert not (tmp_path / "o").exists()
 
 
 def test_coreml_takes_float_experts_whole_and_refuses_quantized_ones(exported, tiny_models,

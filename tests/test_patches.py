@@ -234,6 +234,29 @@ def test_constants_kept_by_reference_write_the_upstream_bytes(tiny_models, tmp_p
         tmp_path / "upstream" / "model.pte").read_bytes()
 
 
+def test_a_program_with_a_cond_per_expert_gets_the_upstream_bytes(tiny_models, tmp_path,
+                                                                  monkeypatch):
+    """`--experts chosen` (2 sparse blocks, a cond and a delegate per expert: 32 branches): every
+    patch off, then on, the same model.pte; with them, torch's pass that puts the in-place ops
+    back runs once per method instead of once per submodule."""
+    import torch.export._remove_auto_functionalized_pass as pass_module
+
+    options = dict(quiet=True, quantize="8da4w", group_size=32, experts="chosen", verify=False,
+                   etrecord=False, max_seq_len=16, max_context_len=48)
+    folder = tiny_models["lfm2_moe"][0]
+    monkeypatch.setenv(patches.SWITCH, "all")
+    edgellm.export(folder, output=tmp_path / "upstream", **options)
+    monkeypatch.delenv(patches.SWITCH)
+    runs = []
+    decompose = pass_module.decompose_auto_functionalized
+    monkeypatch.setattr("torch._inductor.fx_passes.post_grad.decompose_auto_functionalized",
+                        lambda graph: runs.append(graph) or decompose(graph))
+    report = edgellm.export(folder, output=tmp_path / "ours", **options)
+    assert report["patches"]["emit.functionalization_removed_once"] == "on" and len(runs) == 1
+    assert (tmp_path / "ours" / "model.pte").read_bytes() == (
+        tmp_path / "upstream" / "model.pte").read_bytes()
+
+
 # --- xnnpack.skip_retraces and xnnpack.one_decomposition -----------------------------------
 
 

@@ -52,3 +52,18 @@ def test_live_line_on_a_terminal_only():
     live = re.findall(r"\r\[edgellm\] lower +[\d.]+ s   RSS +\d+ MB [|/\-\\]", tty.getvalue())
     assert len(live) >= 3 and tty.getvalue().endswith(" MB\n")
     assert "\r" not in pipe.getvalue() and LINE.match(pipe.getvalue().strip())
+
+
+def test_a_stage_counting_its_items_shows_them():
+    """`progress(done, total)`: on a terminal the live line ends with done/total; off one (a log)
+    a line each time another tenth is done, however large the steps."""
+    tty, pipe = Terminal(), io.StringIO()
+    for stream in (tty, pipe):
+        stages = Stages(stream=stream, tick=0.05)
+        with stages.stage("experts"):
+            for done in range(32, 705, 32):  # 22 blocks of 32 experts
+                stages.progress(done, 704)
+            time.sleep(0.2)
+    assert re.search(r"\r\[edgellm\] experts .* MB [|/\-\\] 704/704", tty.getvalue())
+    counts = re.findall(r"^\[edgellm\]   (\d+)/704$", pipe.getvalue(), re.M)
+    assert [int(c) * 10 // 704 for c in counts] == list(range(1, 11)), counts

@@ -4,14 +4,21 @@ experts, each a SwiGLU feed-forward, and their outputs are summed with the routi
 Routing is transformers' exactly (`Routing`): sigmoid scores with a per-expert bias that shifts
 only the choice (LFM2-MoE) or softmax over every expert (Qwen3-MoE); the chosen weights
 normalised to sum 1 where the config says so (`norm_topk_prob`), then times
-`routed_scaling_factor`. Two formulations of the same sum, neither computing an expert a token
-did not choose:
+`routed_scaling_factor`. Formulations of the same sum (config `experts` picks among the last
+three for a recipe):
 - "gather" (float experts): the chosen experts' weights gathered per token (`W[idx]`) and
   multiplied as one batched matmul; a decode step reads k experts of E.
 - "op" (4- or 8-bit experts, once quantize/experts.py has packed them): ExecuTorch's
   `llama::quantized_moe_ffn`, which routes, runs the chosen experts from torchao-packed blobs and
   sums, in one CPU kernel beside the delegates. The op always normalises the chosen weights;
   where the model does not, the program multiplies by their sum (routed again, in float).
+- "chosen" (`Expert` modules of the recipe, `use_each`; then a delegate apiece,
+  `use_delegates`, lower.lower_experts): per expert a `torch.cond` on whether any token of the
+  call chose it, whose true branch calls that expert's delegate on the call's tokens scaled by
+  their routing weights (zero for tokens that did not choose it). ExecuTorch runs the cond as a
+  jump, so a decode step runs, and reads, the k chosen experts only.
+- "every" (two linears of the recipe, `use_linears`): every expert on every token, the hidden
+  scaled by the routing weights; reads all E experts.
 
 Parameters keep transformers' module names: `gate.weight` (E, D) is the router (a plain
 Parameter, so a linear recipe leaves it float: the choice of experts is where rounding costs
@@ -22,6 +29,7 @@ from the checkpoint's one tensor per expert when a folder is read (`stack_expert
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -131,6 +139,8 @@ class SparseMoE(nn.Module):
         self.bits = None  # 4 or 8 once use_packed gave the experts to the op
         self.group = None
         self.reads_every = False  # every expert will run (use_linears): a token reads them all
+        self.delegates = []  # a LoweredBackendModule per expert once use_delegates gave them
+        self.pending = None  # (bits, group, dynamic) of `--experts chosen` not quantized yet
 
     def route(self, x):
         """x (N, D) -> the chosen experts' weights (N, k) and indices (N, k), as transformers."""
@@ -152,9 +162,32 @@ class SparseMoE(nn.Module):
         x = x.reshape(-1, self.hidden)  # (N, D): a call's tokens, or the last one
         if self.bits:
             out = self._op(x)
+        elif hasattr(self, "up"):
+            out = self._every(x)
+        elif self.delegates or hasattr(self, "each"):
+            out = self._chosen(x)
         else:
-            out = self._every(x) if hasattr(self, "up") else self._gather(x)
+            out = self._gather(x)
         return out.view(shape)
+
+    def _chosen(self, x):
+        """Each expert run only when a token of the call chose it, on the call's tokens, scaled by
+        their routing weights (zero where a token did not choose it): the gathered sum. Eager,
+        by Python's `if` on the modules (`each`); exported, by `torch.cond` on their delegates."""
+        weights, idx = self.route(x)
+        dense = x.new_zeros(x.shape[0], self.routing.experts).scatter(1, idx, weights)
+        if self.delegates and not torch.compiler.is_exporting():
+            raise RuntimeError("the experts are delegates (lower.lower_experts): the exported "
+                               "program runs them, eager Python cannot")
+        out = torch.zeros_like(x)
+        for e in range(self.routing.experts):
+            w, chose = dense[:, e:e + 1], (idx == e).any()
+            if self.delegates:  # the operator itself: torch.cond would compile each with dynamo
+                branch = functools.partial(_run, self.delegates[e])
+                out = out + torch.ops.higher_order.cond(chose, branch, _nothing, (x, w))
+            elif chose:
+                out = out + self.each[e](x, w)
+        return out
 
     def _every(self, x):
         """Every expert at once: gate and up as one linear (D -> E x 2F), the hidden scaled by
@@ -207,15 +240,61 @@ class SparseMoE(nn.Module):
         del self.experts
         self.up, self.down = up, down
 
+    def use_each(self, experts: nn.ModuleList) -> None:
+        """Run the chosen experts as modules of their own (`_chosen`; quantize/experts.py makes
+        them, `Expert.of`), dropping the stacked experts."""
+        del self.experts
+        self.each = experts
+
+    def use_delegates(self, lowered: list) -> None:
+        """Run each expert through its delegate (lower.lower_experts), dropping the modules."""
+        del self.each
+        self.delegates = lowered
+
     def expert_tensors(self) -> tuple[list, float]:
-        """The experts' tensors (float Parameters, packed buffers or the two linears' weights
-        once quantized) and the share of them a token reads (k / E; all of them where every
-        expert runs, `reads_every`)."""
+        """The experts' tensors (float Parameters, packed buffers, the two linears' weights or
+        each expert's once quantized) and the share of them a token reads (k / E; all of them
+        where every expert runs, `reads_every`)."""
         if hasattr(self, "up"):
             return [self.up.weight, self.down.weight], 1.0
+        if hasattr(self, "each"):
+            return ([m.weight for e in self.each for m in (e.gate, e.up, e.down)],
+                    self.routing.top_k / self.routing.experts)
         tensors = ([self.packed_w13, self.packed_w2] if self.bits else
                    [self.experts.gate_up_proj, self.experts.down_proj])
         return tensors, 1.0 if self.reads_every else self.routing.top_k / self.routing.experts
+
+
+def _run(lowered, x, w):
+    return torch.ops.higher_order.executorch_call_delegate(lowered, x, w)[0]
+
+
+def _nothing(x, w):
+    return torch.zeros_like(x)
+
+
+class Expert(nn.Module):
+    """One expert, its output times its routing weight (N, 1): the unit `--experts chosen` lowers
+    to a delegate of its own (three linears a delegate takes whole)."""
+
+    def __init__(self, gate: nn.Linear, up: nn.Linear, down: nn.Linear):
+        super().__init__()
+        self.gate, self.up, self.down = gate, up, down
+
+    @classmethod
+    def of(cls, gate_up: torch.Tensor, down: torch.Tensor) -> "Expert":
+        """From an expert's rows: gate_up (2F, D), gate first; down (D, F)."""
+        f = down.shape[1]
+        return cls(*(_linear(w) for w in (gate_up[:f], gate_up[f:], down)))
+
+    def forward(self, x, w):
+        return self.down(F.silu(self.gate(x)) * self.up(x)) * w
+
+
+def _linear(weight: torch.Tensor) -> nn.Linear:
+    out = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    out.weight = nn.Parameter(weight, requires_grad=False)
+    return out
 
 
 def every_expert_linears(block: SparseMoE) -> tuple[nn.Linear, nn.Linear]:
@@ -223,13 +302,8 @@ def every_expert_linears(block: SparseMoE) -> tuple[nn.Linear, nn.Linear]:
     (E x 2F, D) weight (a view), down_proj (E, D, F) as one (D, E x F) (a copy), read from the
     checkpoint where they were deferred."""
     e, f, d = block.routing.experts, block.width, block.hidden
-    up = nn.Linear(d, e * 2 * f, bias=False, device="meta")
-    down = nn.Linear(e * f, d, bias=False, device="meta")
-    up.weight = nn.Parameter(block.experts.read("gate_up_proj").reshape(e * 2 * f, d),
-                             requires_grad=False)
-    down.weight = nn.Parameter(block.experts.read("down_proj").permute(1, 0, 2).reshape(d, e * f),
-                               requires_grad=False)
-    return up, down
+    return (_linear(block.experts.read("gate_up_proj").reshape(e * 2 * f, d)),
+            _linear(block.experts.read("down_proj").permute(1, 0, 2).reshape(d, e * f)))
 
 
 def quantizable(module: SparseMoE, group: int) -> str | None:

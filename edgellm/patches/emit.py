@@ -1,5 +1,5 @@
-"""The emitter of ExecuTorch 1.5 (`to_executorch`): a patch that keeps it from copying every
-constant the .pte holds.
+"""`to_executorch` of ExecuTorch 1.5: the emitter kept from copying every constant the .pte holds,
+and a pass of torch's run once instead of once per submodule.
 
 `emit.constants_by_reference`: `_Emitter._tensor_spec_to_evalue` copies each constant tensor's
 storage into `bytes` (to hash it), and `_save_new_const_tensor` keeps those `bytes` as the
@@ -10,6 +10,14 @@ undelegated embedding table and, for a mixture-of-experts model, every expert's 
 storage instead, so the `bytes` are freed as soon as they are hashed; the serializer writes the
 same bytes from the tensor's memory. Constants stored outside the .pte and mutable buffers'
 initial states go upstream's way.
+
+`emit.functionalization_removed_once`: `to_executorch` first puts the in-place ops back
+(torch's `unsafe_remove_auto_functionalized_pass`), whose loop runs over the program's
+submodules but works each time on the top graph: decompose, then dead-code elimination and a
+recompile of the whole graph, once per submodule. A program with a delegate per expert behind a
+cond per expert (`--experts chosen`: LFM2-8B-A1B, 704 conds, 1408 branches and as many
+delegates) did it some 2800 times. The second run of it on a graph changes nothing, so once is
+the same graph.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import numpy as np
 import torch
 from executorch.exir._serialize._cord import FileBackedData
 from executorch.exir.emit._emitter import _Emitter
+from executorch.exir.program import _program
 from executorch.exir.schema import TensorDataLocation
 
 from . import Patch, replacing
@@ -83,6 +92,27 @@ def _save_by_reference(self, spec, buffer_data, hashed, allocation_info=None,
     return _UPSTREAM_SAVE(self, spec, buffer_data, hashed, allocation_info, constant_tag)
 
 
+def _remove_auto_functionalized_once(ep):
+    """unsafe_remove_auto_functionalized_pass's body, once (upstream: once per submodule)."""
+    from torch._higher_order_ops.auto_functionalize import (auto_functionalized,
+                                                            auto_functionalized_v2)
+    from torch._inductor.fx_passes.post_grad import decompose_auto_functionalized
+    from torch.export._remove_auto_functionalized_pass import remove_self_clone
+
+    with ep.graph_module._set_replace_hook(ep.graph_signature.get_replace_hook()):
+        for node in ep.graph.nodes:
+            if node.op == "call_function" and node.target in (auto_functionalized,
+                                                              auto_functionalized_v2):
+                if not isinstance(node.args[0], torch._ops.OpOverload):
+                    raise AssertionError(f"Expected func to be an OpOverload, but got "
+                                         f"{type(node.args[0])}")
+                node.meta["only_clone_these_tensors"] = []  # re-inplace everything
+        decompose_auto_functionalized(ep.graph)
+        remove_self_clone(ep.graph)
+        ep.graph.eliminate_dead_code()
+    return ep
+
+
 PATCHES = (
     Patch(name="emit.constants_by_reference", summary="the emitter keeps each constant the .pte "
           "holds as its tensor's storage instead of a copy in bytes",
@@ -92,4 +122,13 @@ PATCHES = (
               "executorch.exir._serialize._program:_extract_constant_segment": "520b3ccd12db5003",
               "executorch.exir._serialize._cord:FileBackedData": "274534a6fc9df21f"},
           **replacing(_Emitter, "_save_new_const_tensor", _save_by_reference)),
+    Patch(name="emit.functionalization_removed_once", summary="to_executorch puts the in-place "
+          "ops back in one pass over the program instead of one per submodule",
+          written_for={"executorch": "1.5.", "torch": "2.13."}, pins={
+              "torch.export._remove_auto_functionalized_pass:"
+              "unsafe_remove_auto_functionalized_pass": "f4e3301f612ca059",
+              "executorch.exir.program._program:EdgeProgramManager.to_executorch":
+                  "6aeac465eada591f"},
+          **replacing(_program, "unsafe_remove_auto_functionalized_pass",
+                      _remove_auto_functionalized_once)),
 )

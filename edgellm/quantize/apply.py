@@ -34,7 +34,7 @@ class Quantized:
     linears_on_source_grid: int = 0  # 4-bit grids kept exactly (GGUF Q4_0 / Q4_1 / Q4_K)
     linears_at_8_bits: list = field(default_factory=list)  # the source stores them above 4 bits
     expert_blocks_packed: int = 0  # sparse blocks whose experts were quantized
-    experts: str | None = None  # how they run: "op" (llama::quantized_moe_ffn) or "every"
+    experts: str | None = None  # how they run: "op", "chosen" or "every" (config.experts)
     embeddings_stored_as: str | None = None  # the source's type that kept the table at 8 bits
     patches: dict = field(default_factory=dict)  # {name: "on" or why not}: report.json's `patches`
 
@@ -91,7 +91,11 @@ def quantize(model, cfg, stored: dict | None = None,
     done.bytes_saved += sum(saved for _, saved in kept) + _quantize_linears(model, todo)
     done.linears_quantized = len(todo.linears)
     if todo.experts:
-        done.expert_blocks_packed, saved = quantize_experts(model, *todo.experts, todo.dynamic)
+        # `--experts chosen` without verification, which would run them eagerly: each block's
+        # experts quantized as the experts stage lowers them (lower.lower_experts), never all
+        # at once
+        done.expert_blocks_packed, saved = quantize_experts(
+            model, *todo.experts, todo.dynamic, later=not getattr(cfg, "verify", True))
         done.experts = todo.experts[2]
         done.bytes_saved += saved
     return done

@@ -69,14 +69,17 @@ def pack_experts(weights, bits: int, group: int) -> torch.Tensor:
 
 
 def quantize_experts(model, bits: int, group: int, formulation: str = "op",
-                     dynamic: bool = True) -> tuple[int, int]:
+                     dynamic: bool = True, later: bool = False) -> tuple[int, int]:
     """Every sparse block's experts quantized, one block at a time: "op", packed for
     `llama::quantized_moe_ffn` (SparseMoE.use_packed); "every", as the two linears of
     `moe.every_expert_linears`, quantized by torchao as the recipe's linears are
-    (SparseMoE.use_linears). Experts still in the checkpoint (moe.Deferred) are read as they are
-    quantized (for the op an expert at a time), and the checkpoint pages read for them handed
-    back after each block. Returns (blocks, bytes a decode step saves: the float bytes of the
-    experts a token reads less their quantized ones)."""
+    (SparseMoE.use_linears); "chosen", as an `moe.Expert` apiece, quantized the same way
+    (SparseMoE.use_each; lower.lower_experts makes each a delegate; with `later`, left for it
+    to quantize, `quantize_block`, as it lowers the block: SparseMoE.pending). Experts still in
+    the checkpoint (moe.Deferred) are read as they are quantized (an expert at a time), and the
+    checkpoint pages read for them handed back after each block. Returns (blocks, bytes a
+    decode step saves: the float bytes of the experts a token reads less their quantized
+    ones)."""
     from ..architectures.moe import SparseMoE
     from ..memory import drop_checkpoint_pages
 
@@ -90,6 +93,12 @@ def quantize_experts(model, bits: int, group: int, formulation: str = "op",
         before, experts = chosen(block), block.experts
         if formulation == "every":
             saved += before - _as_linears(block, bits, group, dynamic)
+        elif formulation == "chosen" and later:
+            block.pending = (bits, group, dynamic)
+            saved += before - _chosen_bytes(block, bits, group)
+            continue
+        elif formulation == "chosen":
+            saved += before - _as_each(block, bits, group, dynamic)
         else:
             w13 = pack_experts(experts.rows("gate_up_proj"), bits, group)
             w2 = pack_experts(experts.rows("down_proj"), bits, group)
@@ -114,3 +123,43 @@ def _as_linears(block, bits: int, group: int, dynamic: bool) -> int:
     quantize_(block, torchao_config(bits, group, dynamic),
               filter_fn=lambda m, fqn: m is up or m is down)
     return size
+
+
+def _as_each(block, bits: int, group: int, dynamic: bool) -> int:
+    """The block's experts as an `moe.Expert` apiece, read and quantized with torchao one at a
+    time; returns the bytes a token reads of them (k of E)."""
+    from torch import nn
+    from torchao.quantization import quantize_
+
+    from ..architectures.moe import Expert
+    from .recipes import torchao_config
+
+    each = []
+    for gate_up, down in zip(block.experts.rows("gate_up_proj"), block.experts.rows("down_proj")):
+        expert = Expert.of(gate_up, down)
+        quantize_(expert, torchao_config(bits, group, dynamic))
+        each.append(expert)
+    size = _chosen_bytes(block, bits, group)
+    block.use_each(nn.ModuleList(each))
+    return size
+
+
+def _chosen_bytes(block, bits: int, group: int) -> int:
+    """Bytes a token reads of the block's experts quantized one apiece (k of E)."""
+    from .grid import packed_bytes
+
+    f, d = block.width, block.hidden
+    one = 2 * packed_bytes(torch.empty(f, d, device="meta"), bits, group) + packed_bytes(
+        torch.empty(d, f, device="meta"), bits, group)
+    return one * block.routing.top_k
+
+
+def quantize_block(block) -> None:
+    """A block `quantize_experts(..., later=True)` left (SparseMoE.pending) quantized now."""
+    from ..memory import drop_checkpoint_pages
+
+    deferred = bool(block.experts.deferred)
+    _as_each(block, *block.pending)
+    block.pending = None
+    if deferred:
+        drop_checkpoint_pages()

@@ -138,10 +138,10 @@ def _plan_tables(out: Plan, model, cfg, recipe, types: dict, four_bit: bool) -> 
 def _plan_experts(model, bits: int, group: int, refused: str | None,
                   formulation: str = "op") -> tuple | None:
     """(bits, group, formulation) for every sparse block's experts, or None without such blocks:
-    "op", llama::quantized_moe_ffn (4 or 8 bits per group, one group for both matrices), or
-    "every", every expert as two linears of the recipe; InputError where the op (or the
-    linears' group), or the backend that writes the model (`refused`: why it cannot), cannot
-    take them."""
+    "op", llama::quantized_moe_ffn (4 or 8 bits per group, one group for both matrices),
+    "chosen", an expert apiece as linears of the recipe, or "every", every expert as two linears
+    of the recipe; InputError where the op (or the linears' group), or the backend that writes
+    the model (`refused`: why it cannot), cannot take them."""
     from ..architectures.moe import SparseMoE, quantizable
 
     blocks = [m for m in model.modules() if isinstance(m, SparseMoE)]
@@ -149,8 +149,9 @@ def _plan_experts(model, bits: int, group: int, refused: str | None,
         raise InputError(f"quantize: mixture-of-experts layers on {refused}")
     why = next((w for w in (quantizable(b, group) for b in blocks) if w), None)
     if why:
-        via = ("ExecuTorch's llama::quantized_moe_ffn" if formulation == "op" else
-               "two linears of the recipe (--experts every)")
+        via = {"op": "ExecuTorch's llama::quantized_moe_ffn",
+               "chosen": "linears of the recipe (--experts chosen)",
+               "every": "two linears of the recipe (--experts every)"}[formulation]
         raise InputError(f"quantize: the experts go through {via}, and {why}; choose a "
                          "group_size that divides both (32 or 64 usually)")
     return (bits, group, formulation) if blocks else None
