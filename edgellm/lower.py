@@ -211,7 +211,7 @@ def lower_experts(model, make_partitioners: Callable[[], list], max_tokens: int,
         stand_in = _export_edge(_Scaled(), example, dims, [], config)
         experts = _Experts(block.each)
         graph = _export_edge(experts, example, dims,
-                             [_ByExpert(p) for p in make_partitioners()], config)
+                             [_by_expert(p) for p in make_partitioners()], config)
         lowered = _expert_delegates(graph, len(block.each))
         # the experts are alike: the stand-in keeps the first one's ops
         stand_in.graph_module.meta["delegated_ops"] = op_counts(
@@ -229,7 +229,7 @@ def lower_experts(model, make_partitioners: Callable[[], list], max_tokens: int,
 
 class _Experts(torch.nn.Module):
     """A block's experts side by side, lowered in one call (the lowering's fixed costs once a
-    block), each to a delegate of its own (`_ByExpert`)."""
+    block), each to a delegate of its own (`_by_expert`)."""
 
     def __init__(self, experts: torch.nn.ModuleList):
         super().__init__()
@@ -239,7 +239,7 @@ class _Experts(torch.nn.Module):
         return tuple(expert(x, w) for expert in self.experts)
 
 
-def _ByExpert(inner):
+def _by_expert(inner):
     """`inner` (a partitioner) whose partitions are cut along the experts of `_Experts`: every
     node it tags goes to a delegate of its expert's own (the expert its module path names, or,
     for a weight, the expert of the node that reads it)."""
