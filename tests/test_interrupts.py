@@ -18,7 +18,10 @@ def start_export(folder, out):
     child = subprocess.Popen(
         [sys.executable, "-m", "edgellm.cli", "export", str(folder), "-o", str(out),
          "--backend", "coreml", "--max-seq-len", "16", "--no-verify"],
-        stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+        stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+        # as from a terminal: a worker of the suite can have come to ignore SIGINT, which a
+        # child inherits, and Python then never raises KeyboardInterrupt in it
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     for line in child.stderr:
         if line.startswith("[edgellm] build"):
             return child
@@ -35,7 +38,7 @@ def test_ctrl_c_leaves_nothing(tiny_models, tmp_path):
     child = start_export(tiny_models["llama"][0], out)
     child.send_signal(signal.SIGINT)
     rest = child.stderr.read()
-    assert child.wait(timeout=120) == 130
+    assert child.wait(timeout=120) == 130, rest[-2000:]
     assert "edgellm: interrupted; nothing was written to the output folder" in rest
     assert "Traceback" not in rest
     assert not out.exists() and leftovers(out) == []
