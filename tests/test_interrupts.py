@@ -14,7 +14,7 @@ import edgellm
 
 def start_export(folder, out):
     """The CLI in a child process, once its build stage has ended: export, lower and serialize
-    are still to come (lowering alone can be over before a loaded machine delivers a signal)."""
+    are still to come."""
     child = subprocess.Popen(
         [sys.executable, "-m", "edgellm.cli", "export", str(folder), "-o", str(out),
          "--backend", "coreml", "--max-seq-len", "16", "--no-verify"],
