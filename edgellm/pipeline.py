@@ -97,6 +97,20 @@ def metadata(cfg: ExportConfig, source, plan) -> dict:
     return meta
 
 
+def capture(cfg: ExportConfig, plan, model, done, stages: Stages) -> dict:
+    """Stages experts (`--experts chosen`: a delegate per expert, lower.lower_experts) and
+    export: the program's methods, exported."""
+    from .capture import export_methods
+    from .lower import lower_experts
+
+    if done and done.experts == "chosen":
+        with stages.stage("experts"):
+            lower_experts(model, lambda: plan.backends[0].make_partitioners(plan.options[0]),
+                          max(cfg.max_seq_len, cfg.prefill_chunk), stages.progress)
+    with stages.stage("export"):
+        return export_methods(model, cfg.max_seq_len, plan.dynamic_shapes, cfg.prefill_chunk)
+
+
 def export(cfg: ExportConfig, quiet: bool = False) -> dict:
     """Run one export as configured; returns the report (also written as report.json).
 
@@ -104,9 +118,8 @@ def export(cfg: ExportConfig, quiet: bool = False) -> dict:
     serialize, inspect. With verification, `made` hands it each stage's product as it is made,
     the one place the two meet; it runs its own stages (reference, expected, graph, verify) on
     them."""
-    from .capture import export_methods
     from .eager import eager_model
-    from .lower import LOWERING_PATCHES, lower, lower_experts
+    from .lower import LOWERING_PATCHES, lower
 
     dest = Path(cfg.output)
     check_destination(dest, cfg.force)
@@ -130,13 +143,7 @@ def export(cfg: ExportConfig, quiet: bool = False) -> dict:
         plan, settled = plan.settled(cfg, eager.state["bytes"], eager.weight_bytes)
         # patches first: they apply to the partitioners made from here on
         applied = patches.apply(plan.patches + LOWERING_PATCHES)
-        if done and done.experts == "chosen":
-            with stages.stage("experts"):  # a delegate per expert, before the program's export
-                lower_experts(eager.model, lambda: plan.backends[0].make_partitioners(
-                    plan.options[0]), max(cfg.max_seq_len, cfg.prefill_chunk), stages.progress)
-        with stages.stage("export"):
-            programs = export_methods(eager.model, cfg.max_seq_len, plan.dynamic_shapes,
-                                      cfg.prefill_chunk)
+        programs = capture(cfg, plan, eager.model, done, stages)
         made("export", programs)
         eager.model = None
         release_memory()  # the module graph holds cycles; free it before lowering
