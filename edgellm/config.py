@@ -25,7 +25,8 @@ from .errors import ConfigError
 
 DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}  # name -> torch's
 KV_CACHES = ("int8",)  # cache dtypes besides the model's own
-EXPERT_FORMULATIONS = ("op", "chosen", "every")  # how a recipe runs mixture-of-experts layers
+# how a recipe runs mixture-of-experts layers; auto: chosen (quantize.plan)
+EXPERT_FORMULATIONS = ("auto", "op", "chosen", "every")
 
 
 def torch_dtype(name: str):
@@ -65,12 +66,13 @@ class ExportConfig:
                                     "Q4_0/Q4_1/Q4_K GGUF, whose grid it keeps)")
     embedding_quantize: str | None = option(None, "quantize embedding tables: 8 or 4 bits, e.g. "
                                             "8 or 4,32", metavar="BITS[,GROUP]")
-    experts: str = option("op", "how a recipe runs mixture-of-experts layers: op (ExecuTorch's "
-                          "llama::quantized_moe_ffn on the chosen experts; its fast kernels are "
-                          "aarch64's), chosen (an XNNPACK delegate per expert, run only when a "
-                          "token chose it: ~100x the op's speed on x86) or every (every expert as "
-                          "two XNNPACK linears weighted by the routing: reads all experts) "
-                          "(default op)", choices=EXPERT_FORMULATIONS)
+    experts: str = option("auto", "how a recipe runs mixture-of-experts layers: chosen (an "
+                          "XNNPACK delegate per expert, run only when a token chose it), op "
+                          "(ExecuTorch's llama::quantized_moe_ffn on the chosen experts: exports "
+                          "~5x faster, but its fast kernels are aarch64's; ~80x slower on x86) "
+                          "or every (every expert as two XNNPACK linears weighted by the routing: "
+                          "reads all experts) (default auto: chosen)",
+                          choices=EXPERT_FORMULATIONS)
     kv_cache: str | None = option(None, "KV cache dtype: int8 (per token and head, ExecuTorch's "
                                   "quantized cache; xnnpack, portable); default the model's "
                                   "dtype", choices=KV_CACHES)
@@ -249,7 +251,7 @@ def _problems(cfg: ExportConfig) -> list[str]:
         out.append(f"dtype: '{cfg.dtype}' is not one of {', '.join(DTYPES)}")
     if cfg.experts not in EXPERT_FORMULATIONS:
         out.append(f"experts: '{cfg.experts}' is not one of {', '.join(EXPERT_FORMULATIONS)}")
-    elif cfg.experts != "op" and not cfg.quantize:
+    elif cfg.experts in ("chosen", "every") and not cfg.quantize:
         out.append(f"experts: '{cfg.experts}' is how a recipe's experts run; without --quantize "
                    "they stay float, gathered per token (the chosen ones only)")
     if cfg.kv_cache is not None and cfg.kv_cache not in KV_CACHES:

@@ -178,16 +178,21 @@ def lower_experts(model, make_partitioners: Callable[[], list], max_tokens: int,
                   progress: Callable[[int, int], None] = lambda done, total: None) -> int:
     """Each expert of the sparse blocks `--experts chosen` quantized (SparseMoE.each, or, left
     for now, SparseMoE.pending: quantized here a block at a time) lowered to a delegate of its
-    own, for calls of 1..max_tokens tokens, through the same `to_edge_transform_and_lower` as
-    the program, with the first backend's partitioners (`make_partitioners` makes a fresh list
-    per block), a block's experts in one call; each block then calls its delegates behind a
-    torch.cond apiece (SparseMoE.use_delegates), which the program's export traces.
+    own, for calls of 1..max_tokens tokens, with the first backend's partitioners
+    (`make_partitioners` makes a fresh list per block); each block then calls its delegates
+    behind a torch.cond apiece (SparseMoE.use_delegates), which the program's export traces.
 
-    That trace makes a delegate's outputs by running the delegate's program on fake tensors,
-    which the real program's weights are not; and those weights would stay in memory beside the
-    delegate's own copy. So each delegate keeps a stand-in program (`_Scaled`: the same inputs
-    and output) which holds the real one's op counts for the report (meta "delegated_ops").
-    `progress(done, total)` after each block. Returns the delegates made."""
+    A block's experts are one graph with different weights: the first is exported and taken to
+    the edge dialect as `to_edge_transform_and_lower` does (decomposed as its partitioners ask),
+    and that edge program, with each expert's weights put in turn under its weights' names, is
+    what each expert's `to_backend` lowers: the export and decompositions once a block, not once
+    an expert.
+
+    The program's trace makes a delegate's outputs by running the delegate's program on fake
+    tensors, which the real program's weights are not; and those weights would stay in memory
+    beside the delegate's own copy. So each delegate keeps a stand-in program (`_Scaled`: the
+    same inputs and output) which holds the real one's op counts for the report (meta
+    "delegated_ops"). `progress(done, total)` after each block. Returns the delegates made."""
     from executorch.exir import EdgeCompileConfig
 
     from .architectures.moe import SparseMoE
@@ -208,18 +213,17 @@ def lower_experts(model, make_partitioners: Callable[[], list], max_tokens: int,
             quantize_block(block)
         dtype, n = block.gate.weight.dtype, min(2, max_tokens)
         example = (torch.zeros(n, block.hidden, dtype=dtype), torch.zeros(n, 1, dtype=dtype))
-        stand_in = _export_edge(_Scaled(), example, dims, [], config)
-        experts = _Experts(block.each)
-        graph = _export_edge(experts, example, dims,
-                             [_by_expert(p) for p in make_partitioners()], config)
-        lowered = _expert_delegates(graph, len(block.each))
+        stand_in = _export_edge(_Scaled(), example, dims, [], config).exported_program()
+        partitioners = make_partitioners()
+        edge = _export_edge(block.each[0], example, dims, partitioners, config, lower=False)
+        lowered = [_expert_delegate(edge, expert, partitioners) for expert in block.each]
         # the experts are alike: the stand-in keeps the first one's ops
         stand_in.graph_module.meta["delegated_ops"] = op_counts(
             lowered[0].original_module.graph_module)
         for delegate in lowered:
             delegate._original_exported_program = stand_in
         block.use_delegates(lowered)
-        del experts, graph, lowered
+        del edge, lowered
         forget_lowered_graphs()  # which hold the block's quantized experts, lowered now
         release_memory()
         made += block.routing.experts
@@ -227,75 +231,81 @@ def lower_experts(model, make_partitioners: Callable[[], list], max_tokens: int,
     return made
 
 
-class _Experts(torch.nn.Module):
-    """A block's experts side by side, lowered in one call (the lowering's fixed costs once a
-    block), each to a delegate of its own (`_by_expert`)."""
-
-    def __init__(self, experts: torch.nn.ModuleList):
-        super().__init__()
-        self.experts = experts
-
-    def forward(self, x, w):
-        return tuple(expert(x, w) for expert in self.experts)
-
-
-def _by_expert(inner):
-    """`inner` (a partitioner) whose partitions are cut along the experts of `_Experts`: every
-    node it tags goes to a delegate of its expert's own (the expert its module path names, or,
-    for a weight, the expert of the node that reads it)."""
-    import re
-
-    from executorch.exir.backend.partitioner import Partitioner, PartitionResult
-
-    def expert_of(node) -> int | None:
-        for path, _ in (node.meta.get("nn_module_stack") or {}).values():
-            found = re.match(r"experts\.(\d+)(\.|$)", path)
-            if found:
-                return int(found.group(1))
-        return next((e for e in map(expert_of, node.users) if e is not None), None)
-
-    class ByExpert(Partitioner):
-        def ops_to_not_decompose(self, program):
-            return inner.ops_to_not_decompose(program)
-
-        def partition(self, program) -> PartitionResult:
-            result = inner.partition(program)
-            tags = {}
-            for node in result.tagged_exported_program.graph.nodes:
-                tag = node.meta.get("delegation_tag")
-                if tag:
-                    node.meta["delegation_tag"] = f"{tag}_expert{expert_of(node)}"
-                    tags[node.meta["delegation_tag"]] = result.partition_tags[tag]
-            return PartitionResult(result.tagged_exported_program, tags)
-
-    return ByExpert()
-
-
-def _expert_delegates(graph: ExportedProgram, experts: int) -> list:
-    """`_Experts`' lowered program -> its delegates in expert order; each must have taken its
-    expert whole, from the inputs (x, w) in that order."""
-    module, nodes = graph.graph_module, list(graph.graph.nodes)
+def _expert_delegate(edge, expert: torch.nn.Module, partitioners: list):
+    """`edge` (an expert's EdgeProgramManager, not lowered) with `expert`'s weights, lowered by
+    `partitioners` in turn -> its one delegate, which must have taken the whole expert from
+    the inputs (x, w) in that order."""
+    program = edge.exported_program()
+    weights = _flat_weights(expert)
+    if {k: (t.shape, t.dtype) for k, t in weights.items()} != {
+            k: (t.shape, t.dtype) for k, t in program.state_dict.items()}:
+        raise RuntimeError(f"an expert's weights {sorted(weights)} are not the ones its exported "
+                           f"program names ({sorted(program.state_dict)})")
+    program.state_dict.update({k: torch.nn.Parameter(t, requires_grad=False)
+                               for k, t in weights.items()})
+    partitioning = logging.getLogger("executorch.backends.xnnpack.partition.xnnpack_partitioner")
+    partitioning.addFilter(_not_a_split_workflow)
+    try:
+        with count_deprecations([], []), torch.no_grad():
+            for partitioner in partitioners:
+                edge = edge.to_backend(partitioner)
+    finally:
+        partitioning.removeFilter(_not_a_split_workflow)
+    graph = edge.exported_program()
+    nodes = list(graph.graph.nodes)
     inputs = [n for n in nodes if n.op == "placeholder"][-2:]  # the user inputs, after weights
-    calls = [out.args[0] for out in nodes[-1].args[0]]
-    left = [str(n.target) for n in nodes if n.op == "call_function"
-            and n.target is not operator.getitem and "call_delegate" not in str(n.target)]
-    if left or len(calls) != experts or any(
-            "call_delegate" not in str(c.target) or list(c.args[1:]) != inputs for c in calls):
-        raise RuntimeError(f"the partitioners did not take each of {experts} experts whole, from "
-                           f"(x, w), in a delegate of its own (left outside: {left}): "
-                           "--experts chosen needs them so")
-    return [getattr(module, c.args[0].target) for c in calls]
+    calls = [n for n in nodes if n.op == "call_function" and "call_delegate" in str(n.target)]
+    left = sorted({getattr(n.target, "__name__", str(n.target)) for n in nodes
+                   if n.op == "call_function" and n.target is not operator.getitem
+                   and n not in calls})
+    if left or len(calls) != 1 or list(calls[0].args[1:]) != inputs:
+        raise RuntimeError(f"the partitioners did not take the expert whole, from (x, w), in one "
+                           f"delegate (left outside: {left}, delegates: {len(calls)}): "
+                           "--experts chosen needs it so")
+    return getattr(graph.graph_module, calls[0].args[0].target)
 
 
-def _export_edge(module, example: tuple, dims, partitioners: list, config) -> ExportedProgram:
-    """`module` exported and lowered on its own; its warnings are the program's lowering's too,
-    counted there."""
+def _not_a_split_workflow(record: logging.LogRecord) -> bool:
+    """XNNPACK's partitioner warns of the deprecated `to_edge() + to_backend()` split whenever
+    `to_edge_transform_and_lower` is not on the stack; an expert's edge program is that call's
+    own first step (decomposed as its partitioners ask), so the warning, once an expert, is
+    wrong here and dropped."""
+    return "'to_edge() + to_backend()'" not in record.getMessage()
+
+
+def _flat_weights(module: torch.nn.Module) -> dict:
+    """`module`'s parameters as torch.export names them in its program: a tensor subclass
+    (torchao's quantized weight) as torch's own unwrapping gives its plain tensors, each
+    `<owner>.parametrizations.<name>.original<k>`."""
+    from torch._functorch._aot_autograd.subclass_parametrization import UnwrapTensorSubclass
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    out = {}
+    for name, tensor in module.named_parameters():
+        if not is_traceable_wrapper_subclass(tensor):
+            out[name] = tensor
+            continue
+        owner, _, attr = name.rpartition(".")
+        prefix = f"{owner}.parametrizations.{attr}" if owner else f"parametrizations.{attr}"
+        for k, part in enumerate(UnwrapTensorSubclass().right_inverse(tensor)):
+            out[f"{prefix}.original{k}"] = part
+    return out
+
+
+def _export_edge(module, example: tuple, dims, partitioners: list, config, lower: bool = True):
+    """`module` exported and taken to the edge dialect as `to_edge_transform_and_lower` does, and
+    lowered by `partitioners` unless `lower` is False -> its EdgeProgramManager; its warnings
+    are the program's lowering's too, counted there."""
     from executorch.exir import to_edge_transform_and_lower
+    from executorch.exir.program import _program
 
     with count_deprecations([], []), torch.no_grad():
         program = torch.export.export(module, example, dynamic_shapes=dims, strict=False)
+        if not lower:  # to_edge_transform_and_lower's first step, what its partitioners lower
+            return _program._gen_edge_manager_for_partitioners(
+                {"forward": partitioners}, {"forward": program}, config, {})
         return to_edge_transform_and_lower(program, partitioner=partitioners or None,
-                                           compile_config=config).exported_program()
+                                           compile_config=config)
 
 
 def lower(programs: dict[str, ExportedProgram], partitioners: list, constant_methods: dict,

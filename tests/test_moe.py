@@ -73,8 +73,8 @@ def test_a_wrong_layout_does_not_pass_for_the_right_one():
 @pytest.fixture(scope="module")
 def quantized(exported):
     # verification's bounds are a real model's: a tiny random one's routers flip under 8da4w
-    return exported("lfm2_moe", quantize="8da4w", group_size=32, verify=False, etrecord=False,
-                    **LONG)
+    return exported("lfm2_moe", quantize="8da4w", group_size=32, experts="op", verify=False,
+                    etrecord=False, **LONG)
 
 
 def follows_its_eager_model(folder, tiny_models, min_sqnr_db=None, **options) -> None:
@@ -116,7 +116,7 @@ def test_4bit_program_runs_the_chosen_experts_in_executorchs_op(quantized, tiny_
     assert report["quantization"]["experts"] == "op"
     ops = report["methods"]["forward"]["delegation"]["by_op"]
     assert ops["llama_quantized_moe_ffn_default"] == {"delegated": 0, "non_delegated": 2}
-    follows_its_eager_model(folder, tiny_models, quantize="8da4w", group_size=32)
+    follows_its_eager_model(folder, tiny_models, quantize="8da4w", group_size=32, experts="op")
 
 
 @pytest.mark.parametrize("name", ROUTINGS)
@@ -172,14 +172,30 @@ def test_an_expert_apiece_run_when_chosen_is_the_gathered_sum(name):
         assert ran == set(idx[0].tolist())
 
 
+def test_chosen_experts_refused_when_the_partitioners_leave_an_expert_outside():
+    """lower_experts needs each expert whole in one delegate: with partitioners that take
+    nothing, it says so and names what was left outside, rather than build a program that
+    runs an expert's ops outside any delegate behind the cond."""
+    from edgellm.architectures.moe import Expert
+    from edgellm.lower import lower_experts
+
+    block = random_block(ROUTINGS["sigmoid-bias"])
+    block.use_each(torch.nn.ModuleList(Expert.of(a, b) for a, b in zip(
+        block.experts.gate_up_proj, block.experts.down_proj)))
+    with pytest.raises(RuntimeError, match=r"did not take the expert whole, from \(x, w\), in "
+                       r"one delegate \(left outside: \['aten\.mm\.default', .*"
+                       r"'aten\.sigmoid\.default'\], delegates: 0\)"):
+        lower_experts(block, lambda: [], max_tokens=4)
+
+
 def test_chosen_experts_program_branches_to_a_delegate_apiece(exported, tiny_models):
-    """`--experts chosen` with 8da4w: each expert of the 2 sparse blocks is an XNNPACK delegate
-    of its own behind a torch.cond on whether a token chose it (8 conds per block, no
-    llama::quantized_moe_ffn); report.json counts their linears as XNNPACK's and a token as
-    reading its chosen experts; the program follows its eager model (within XNNPACK's
-    activation rounding), a prompt then a token per call."""
-    folder, report = exported("lfm2_moe", quantize="8da4w", group_size=32, experts="chosen",
-                              verify=False, etrecord=False, **LONG)
+    """8da4w with the experts as the default (auto) runs them, `--experts chosen`: each expert
+    of the 2 sparse blocks is an XNNPACK delegate of its own behind a torch.cond on whether a
+    token chose it (8 conds per block, no llama::quantized_moe_ffn); report.json counts their
+    linears as XNNPACK's and a token as reading its chosen experts; the program follows its
+    eager model (within XNNPACK's activation rounding), a prompt then a token per call."""
+    folder, report = exported("lfm2_moe", quantize="8da4w", group_size=32, verify=False,
+                              etrecord=False, **LONG)
     assert report["quantization"]["experts"] == "chosen"
     unread = 2 * (8 - 2) * 3 * 32 * 64
     assert report["parameters"]["total"] - report["parameters"]["per_token"] == unread
@@ -228,8 +244,8 @@ def test_a_token_reads_its_chosen_experts_only(quantized, tiny_models):
 def test_experts_the_op_cannot_take_are_refused(tiny_models, tmp_path, capsys, group, why):
     folder = tiny_models["lfm2_moe"][0]
     code = main(["export", str(folder), "-o", str(tmp_path / "o"), "--quantize", "8da4w",
-                 "--group-size", str(group), "--max-seq-len", "16", "--max-context-len", "48",
-                 "--quiet"])
+                 "--group-size", str(group), "--experts", "op", "--max-seq-len", "16",
+                 "--max-context-len", "48", "--quiet"])
     err = capsys.readouterr().err
     assert code == 2 and "llama::quantized_moe_ffn" in err and why in err, err
     assert not (tmp_path / "o").exists()  # refused before anything was written

@@ -215,8 +215,8 @@ def test_constants_kept_by_reference_write_the_upstream_bytes(tiny_models, tmp_p
     monkeypatch.setattr(emit, "BY_REFERENCE_FROM", 1)
     monkeypatch.setattr(emit, "TensorBackedData", lambda t: kept.append(
         xnnpack.TensorBackedData(t)) or kept[-1])
-    options = dict(quiet=True, quantize="8da4w", group_size=32, verify=False, etrecord=False,
-                   max_seq_len=16, max_context_len=48)
+    options = dict(quiet=True, quantize="8da4w", group_size=32, experts="op", verify=False,
+                   etrecord=False, max_seq_len=16, max_context_len=48)
     folder = tiny_models["lfm2_moe"][0]
     monkeypatch.setenv(patches.SWITCH, "emit")
     edgellm.export(folder, output=tmp_path / "upstream", **options)
@@ -236,14 +236,15 @@ def test_constants_kept_by_reference_write_the_upstream_bytes(tiny_models, tmp_p
 
 def test_a_program_with_a_cond_per_expert_gets_the_upstream_bytes(tiny_models, tmp_path,
                                                                   monkeypatch):
-    """`--experts chosen` (2 sparse blocks, a cond and a delegate per expert: 32 branches): every
-    patch off, then on, the same model.pte; with them, torch's pass that puts the in-place ops
-    back runs once per method instead of once per submodule."""
+    """`--experts chosen` (Qwen3-MoE here, LFM2-MoE's in test_moe: 2 sparse blocks, a cond and a
+    delegate per expert: 32 branches): every patch off, then on, the same model.pte; with them,
+    torch's pass that puts the in-place ops back runs once per method instead of once per
+    submodule."""
     import torch.export._remove_auto_functionalized_pass as pass_module
 
     options = dict(quiet=True, quantize="8da4w", group_size=32, experts="chosen", verify=False,
                    etrecord=False, max_seq_len=16, max_context_len=48)
-    folder = tiny_models["lfm2_moe"][0]
+    folder = tiny_models["qwen3_moe"][0]
     monkeypatch.setenv(patches.SWITCH, "all")
     edgellm.export(folder, output=tmp_path / "upstream", **options)
     monkeypatch.delenv(patches.SWITCH)

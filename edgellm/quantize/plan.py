@@ -33,7 +33,7 @@ class Plan:
     embeddings: str | None = None  # the table recipe as given, or as the source made it
     embeddings_stored_as: str | None = None  # the source's type that kept the table at 8 bits
     head_in_table: bool = False  # the head is the table: decode reads all of it
-    experts: tuple | None = None  # (bits, group, "op" or "every") of mixture-of-experts blocks
+    experts: tuple | None = None  # (bits, group, "op", "chosen" or "every") of sparse blocks
 
 
 def stored_bits(kind: str | None) -> int | None:
@@ -102,7 +102,7 @@ def plan(model, cfg, stored: dict | None = None, experts_refused: str | None = N
             higher.append((module.weight.numel() < largest, name))
     out.at_8_bits += [name for _, name in sorted(higher, key=lambda h: h[0])]  # largest first
     out.experts = _plan_experts(model, recipe.bits, out.group, experts_refused,
-                                getattr(cfg, "experts", "op"))
+                                _formulation(getattr(cfg, "experts", "auto")))
     if not out.linears:
         raise InputError(f"quantize: no linear layer's input width is a multiple of group_size "
                          f"{out.group}; choose a group size that divides the hidden size, or 0 "
@@ -133,6 +133,12 @@ def _plan_tables(out: Plan, model, cfg, recipe, types: dict, four_bit: bool) -> 
     if group and widths and all(w % group for w in widths):
         raise InputError(f"embedding_quantize: group {group} does not divide the embedding "
                          "width; choose a group that divides the hidden size, or 0 per row")
+
+
+def _formulation(experts: str) -> str:
+    """config.experts -> how the experts run: auto is chosen (a recipe's experts reach XNNPACK
+    only: Core ML, the other backend with recipes, refuses them)."""
+    return "chosen" if experts == "auto" else experts
 
 
 def _plan_experts(model, bits: int, group: int, refused: str | None,
