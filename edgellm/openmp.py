@@ -8,8 +8,8 @@ export_llm's program as for edgellm's. ExecuTorch's C++ runner on a device has n
 OpenMP reads the team size once, when torch loads it: `torch.set_num_threads` later reaches the
 calling thread only, not the workers. So it has to be in the environment before torch is
 imported, and since it also makes torch's own eager work single-threaded, it is set for the
-commands that only run programs (bench, generate) and the speed benchmarks in bench/, never for
-export.
+commands that only run programs (bench, generate, chat, serve) and the speed benchmarks in
+bench/, never for export.
 
 Light on purpose: importing this module imports neither torch nor ExecuTorch.
 """

@@ -1,5 +1,6 @@
 """Running a .pte through the ExecuTorch runtime behind the same interface as the eager model:
-`forward(tokens[1, T], input_pos[1]) -> logits[1, V]`, plus greedy generation with streaming."""
+`forward(tokens[1, T], input_pos[1]) -> logits[1, V]`, plus greedy decoding (verification's);
+generation with sampling and a tokenizer is session.py's."""
 
 from __future__ import annotations
 
@@ -155,38 +156,3 @@ def load_tokenizer(path: Path):
         return Tokenizer.from_file(str(file))
     except Exception as e:  # tokenizers raises a bare Exception for malformed files
         raise InputError(f"{file} is not a readable tokenizer.json ({e}).") from None
-
-
-def generate(pte: str | Path, prompt: str, n: int = 32, tokenizer: str | Path | None = None,
-             on_text: Callable[[str], None] | None = None) -> str:
-    """Greedy completion of `prompt` by the program; `on_text` receives the text as it grows."""
-    program = Program(pte)
-    tok = load_tokenizer(Path(tokenizer) if tokenizer else program.path.parent)
-    ids = tok.encode(prompt).ids
-    if not ids:
-        raise InputError("The prompt is empty after tokenization; give some text with --prompt.")
-    if len(ids) > program.max_seq_len:
-        raise InputError(f"The prompt is {len(ids)} tokens; this program takes at most "
-                         f"max_seq_len={program.max_seq_len}. Shorten the prompt or export with "
-                         "a larger --max-seq-len.")
-    if not program.sink:  # a program with attention sinks goes on past its context
-        n = min(n, program.max_context_len - len(ids))
-    eos = set(program.meta.get("get_eos_ids", []))
-    out: list[int] = []
-    # the text shown so far ends at token `read`; the decoder sees from `prefix` (a few tokens
-    # back, for decoders whose first token reads differently), so each step decodes a few tokens,
-    # not the whole output: a program with attention sinks generates without end
-    prefix = read = shown = 0
-    for tok_id in greedy(program.forward, program.prefill, ids, n, eos):
-        if tok_id in eos:
-            break
-        out.append(tok_id)
-        if on_text:
-            before, after = tok.decode(out[prefix:read]), tok.decode(out[prefix:])
-            if len(after) > len(before) and not after.endswith("\ufffd"):  # a whole char
-                on_text(after[len(before):])
-                prefix, read, shown = read, len(out), shown + len(after) - len(before)
-    text = tok.decode(out)
-    if on_text and len(text) > shown:
-        on_text(text[shown:])
-    return text

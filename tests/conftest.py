@@ -26,6 +26,9 @@ CORPUS = ["the quick brown fox jumps over the lazy dog", "hello world from a tin
           "edge devices run small language models", "one two three four five six seven"] * 20
 PROMPT = "the quick brown fox jumps over the lazy"  # at least 8 tokens with this tokenizer
 BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
+CHAT_TEMPLATE = ("{% for m in messages %}{{ bos_token }}{{ m['role'][0] }}:{{ m['content'] }}"
+                 "{{ eos_token }}{% endfor %}{% if add_generation_prompt %}{{ bos_token }}a:"
+                 "{% endif %}")  # short: a tiny export holds 32 positions
 
 
 def make_tokenizer(folder):
@@ -46,6 +49,7 @@ def make_tokenizer(folder):
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps(
         {"bos_token": BOS, "eos_token": EOS, "tokenizer_class": "PreTrainedTokenizerFast"}))
+    (folder / "chat_template.jinja").write_text(CHAT_TEMPLATE)  # where transformers saves it
     return tok.get_vocab_size()
 
 
@@ -272,6 +276,17 @@ def exported(tiny_models, shared_dir):
                                                  force=True, quiet=True, **options))
         return folder, json.loads((folder / "report.json").read_text())
     return export
+
+
+@pytest.fixture(scope="session")
+def default_export(shared_dir):
+    """(folder, report) of the embedded default, SmolLM2-135M-Instruct, exported to XNNPACK and
+    verified: once for every test process."""
+    folder = shared_dir / "default" / "smollm2"
+    folder.parent.mkdir(exist_ok=True)
+    made_once(folder, lambda: edgellm.export(output=folder, backends="xnnpack", max_seq_len=64,
+                                             force=True, quiet=True))
+    return folder, json.loads((folder / "report.json").read_text())
 
 
 @pytest.fixture(scope="session")

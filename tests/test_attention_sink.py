@@ -153,23 +153,23 @@ def test_bench_measures_far_past_the_context(sink_program, capsys):
 
 
 def test_generate_goes_on_past_the_context(sink_program, monkeypatch):
-    """`generate` asks a sink program for every token requested, positions past the context
+    """A session asks a sink program for every token requested, positions past the context
     included (a program without sinks gets at most max_context_len minus the prompt); the
     tokens' positions run on from the prompt's."""
-    import edgellm.runtime as runtime
+    from edgellm.runtime import Program
+    from edgellm.sampling import Sampling
+    from edgellm.session import Session
 
-    seen, real = {}, runtime.greedy
-
-    def greedy(step, prefill, ids, n, eos):
-        def counted(tokens, input_pos):
-            seen["last"] = int(input_pos[0])
-            return step(tokens, input_pos)
-        seen["n"] = n
-        yield from real(counted, prefill, ids, n, set())  # (no EOS: run every step)
-
-    monkeypatch.setattr(runtime, "greedy", greedy)
-    edgellm.generate(sink_program[0] / "model.pte", "the quick", n=40)
-    assert seen["n"] == 40 and seen["last"] > 16 + 16  # past twice the context
+    seen, real = [], Program.forward
+    monkeypatch.setattr(Program, "forward", lambda self, tokens, input_pos: seen.append(
+        int(input_pos[0])) or real(self, tokens, input_pos))
+    session = Session(sink_program[0] / "model.pte")
+    session.eos = set()  # run every step
+    ids = session.encode("the quick")
+    run = session.generate(ids, Sampling(max_tokens=40))
+    run.run()
+    assert session.context is None and len(run.tokens) == 40 and run.finish_reason == "length"
+    assert seen[-39:] == list(range(len(ids), len(ids) + 39))  # past twice the context (16)
 
 
 @pytest.mark.parametrize("options, problem", [

@@ -90,12 +90,16 @@ def test_console_script_is_installed():
     assert "export" in out and "generate" in out
 
 
-def test_generate_refuses_a_prompt_longer_than_max_seq_len(exported, capsys):
+def test_generate_refuses_a_prompt_that_fills_the_context(exported, capsys):
+    """A prompt longer than max_seq_len runs in chunks; one that leaves no position for the
+    reply (max_context_len 32) is refused, saying so."""
     folder, _ = exported("llama")
     code = main(["generate", str(folder / "model.pte"), "--prompt",
-                 "the quick brown fox jumps over the lazy dog " * 2])
+                 "the quick brown fox jumps over the lazy dog " * 4])
     assert code == 2
-    assert "this program takes at most max_seq_len=16" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "this program holds max_context_len=32 positions, and the reply needs at least one" \
+        in err, err
 
 
 def test_a_library_failure_is_one_line_exit_3_and_leaves_nothing(tiny_models, tmp_path, capsys,

@@ -8,13 +8,6 @@ import edgellm
 pytestmark = pytest.mark.heavy  # a real-size model: first, so that it runs beside the rest
 
 
-@pytest.fixture(scope="module")
-def default_export(tmp_path_factory):
-    out = tmp_path_factory.mktemp("default") / "smollm2"
-    report = edgellm.export(output=out, backends="xnnpack", max_seq_len=64, quiet=True)
-    return out, report
-
-
 def test_default_greedy_tokens_match_transformers(default_export):
     """The export's own verification ran transformers on the same dequantized weights (greedy
     continuations of two prompts, then the shipped text) and fed its tokens to the program: the

@@ -10,7 +10,9 @@ from ..errors import InputError
 from ..memory import note_mapped
 from .base import Source
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+# copied beside the program: the tokenizer, its special tokens and the chat template
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja", "chat_template.json")
 
 
 def read_config(folder: Path):
