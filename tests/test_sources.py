@@ -59,7 +59,8 @@ LLAMACPP_ARCH = {"gemma3_text": "gemma3", "mistral": "llama", "lfm2_moe": "lfm2m
 PERMUTED = ("llama", "granite", "smollm3")  # llama.cpp's LlamaModel and its subclasses
 
 
-def write_gguf(hf, tokenizer_json, path, quantized: dict | None = None) -> None:
+def write_gguf(hf, tokenizer_json, path, quantized: dict | None = None,
+               eot: int | None = None, chat_template: str | None = None) -> None:
     """A tiny model as llama.cpp's converter (conversion/*.py) writes it: tensors under gguf's
     names (`quantized`: HF name -> (raw bytes, GGML type) to store instead of F32), q and k rows
     permuted for the llama-derived families, Gemma's norms as 1 + w, LFM2's kernels squeezed,
@@ -129,6 +130,10 @@ def write_gguf(hf, tokenizer_json, path, quantized: dict | None = None) -> None:
     w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
     w.add_bos_token_id(cfg.bos_token_id)
     w.add_eos_token_id(cfg.eos_token_id)
+    if eot is not None:  # end of turn (a chat model's <|im_end|>, <|eot_id|>)
+        w.add_eot_token_id(eot)
+    if chat_template is not None:
+        w.add_chat_template(chat_template)
     kind = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
     names = gguf.get_tensor_name_map(kind, cfg.num_hidden_layers)
     if rope.get("rope_type") == "llama3":  # LlamaModel.generate_extra_tensors
@@ -365,6 +370,20 @@ def test_a_gguf_of_another_family_is_refused_by_name(tmp_path, arch, message):
     w.close()
     with pytest.raises(InputError, match=message):
         load_source(str(path))
+
+
+def test_a_gguf_ships_its_chat_template_and_stops_at_the_end_of_a_turn(tiny_models, tmp_path):
+    """`tokenizer.chat_template` comes out beside the program (transformers' conversion writes
+    it), and the end-of-turn id joins the end-of-sequence one among the program's stops."""
+    from conftest import CHAT_TEMPLATE
+
+    folder, hf = tiny_models["llama"]
+    gguf_file = tmp_path / "chat.gguf"
+    write_gguf(hf, folder / "tokenizer.json", gguf_file, eot=0, chat_template=CHAT_TEMPLATE)
+    source = load_source(str(gguf_file))
+    assert source.eos_ids == (1, 0)
+    assert source.write_tokenizer(tmp_path)
+    assert (tmp_path / "chat_template.jinja").read_text() == CHAT_TEMPLATE
 
 
 @pytest.mark.parametrize("kind, rows, cols", [

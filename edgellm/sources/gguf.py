@@ -103,12 +103,14 @@ def load_gguf(path: Path) -> Source:
         converted().save_pretrained(str(out))
         return (out / "tokenizer.json").is_file()
 
-    eos = metadata.get("tokenizer.ggml.eos_token_id")
+    # end of sequence, of turn and of message (llama.cpp's chat stops at each): the program's
+    stops = (metadata.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom"))
     return Source(hf_config=cfg, state_dict=state, origin=str(path),
                   write_tokenizer=write_tokenizer,
                   tokenizer=lambda: converted().backend_tokenizer,
                   bos_id=metadata.get("tokenizer.ggml.bos_token_id"),
-                  eos_ids=() if eos is None else (int(eos),), stored_types=stored)
+                  eos_ids=tuple(dict.fromkeys(int(i) for i in stops if i is not None)),
+                  stored_types=stored)
 
 
 def _values(path: Path, blob: np.ndarray, data_start: int, tensors: dict, name: str) -> np.ndarray:
