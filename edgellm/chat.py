@@ -10,7 +10,8 @@ from __future__ import annotations
 import sys
 
 from .errors import InputError
-from .session import Session, _sampling
+from .sampling import Sampling
+from .session import Session
 
 COMMANDS = "/reset starts over, /system TEXT sets the system message, Ctrl-D leaves"
 
@@ -19,7 +20,7 @@ def chat(target, n: int = 512, system: str | None = None, tokenizer=None, stdin=
          stdout=None, **sampling) -> list[dict]:
     """Talk to the program until stdin ends; returns the conversation's messages."""
     stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
-    session, options = Session(target, tokenizer), _sampling(max_tokens=n, **sampling)
+    session, options = Session(target, tokenizer), Sampling.of(max_tokens=n, **sampling)
     session.chat_ids([{"role": "user", "content": ""}])  # no template: refused before a turn
     terminal = stdin.isatty()
     start = [{"role": "system", "content": system}] if system else []

@@ -38,8 +38,20 @@ class Sampling:
             out.append("stop: an empty stop string would end every text at once")
         return out
 
-    def replace(self, **changes) -> "Sampling":
-        return dataclasses.replace(self, **changes)
+    @classmethod
+    def of(cls, **options) -> "Sampling":
+        """From keyword options (edgellm.generate's, chat's): an unknown one refused by name, a
+        single stop string taken as one."""
+        from .errors import InputError
+
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise InputError(f"unknown sampling option(s) {', '.join(unknown)}; known: "
+                             f"{', '.join(sorted(known))}")
+        stop = options.get("stop", ())
+        options["stop"] = (stop,) if isinstance(stop, str) else tuple(stop)
+        return cls(**options)
 
 
 HELP = {  # each field's meaning, for the CLI's flags (generate, chat)

@@ -211,22 +211,9 @@ def generate(pte, prompt: str, n: int = 32, tokenizer=None, on_text=None, chat: 
     session = Session(pte, tokenizer)
     ids = session.chat_ids([{"role": "user", "content": prompt}]) if chat else \
         session.encode(prompt)
-    run = session.generate(ids, _sampling(max_tokens=n, **sampling))
+    run = session.generate(ids, Sampling.of(max_tokens=n, **sampling))
     for piece in run:
         if on_text:
             on_text(piece)
     return run.text
 
-
-def _sampling(**options) -> Sampling:
-    """Sampling from keyword options, an unknown one refused by name."""
-    import dataclasses
-
-    known = {f.name for f in dataclasses.fields(Sampling)}
-    unknown = sorted(set(options) - known)
-    if unknown:
-        raise InputError(f"unknown sampling option(s) {', '.join(unknown)}; known: "
-                         f"{', '.join(sorted(known))}")
-    if isinstance(options.get("stop"), str):
-        options["stop"] = (options["stop"],)
-    return Sampling(**{k: tuple(v) if k == "stop" else v for k, v in options.items()})

@@ -66,3 +66,14 @@ def test_stop_strings_are_held_back_until_known_and_left_out():
 def test_out_of_range_values_are_named_with_what_is_allowed(field, value, allowed):
     assert Sampling(**{field: value}).problems() == [
         f"{field}: {value} is out of range; give {allowed}"]
+
+
+def test_keyword_options_are_checked_by_name():
+    """edgellm.generate(..., temprature=1) is refused naming the known options; a single stop
+    string is one string, not its characters."""
+    from edgellm.errors import InputError
+
+    with pytest.raises(InputError, match=r"unknown sampling option\(s\) temprature; known: "
+                       r"max_tokens, min_p, repetition_penalty, seed, stop, temperature"):
+        Sampling.of(temprature=1.0)
+    assert Sampling.of(stop="END").stop == ("END",)
