@@ -216,4 +216,3 @@ def generate(pte, prompt: str, n: int = 32, tokenizer=None, on_text=None, chat: 
         if on_text:
             on_text(piece)
     return run.text
-
