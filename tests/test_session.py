@@ -96,3 +96,46 @@ def test_a_model_without_a_chat_template_is_refused_for_chat(exported, tmp_path)
                        "generate` with a plain prompt"):
         Session(bare).chat_ids([{"role": "user", "content": "hi"}])
     assert json.loads((bare / "report.json").read_text())  # the rest was copied
+
+
+def test_chat_on_a_terminal_streams_replies_and_takes_commands(exported):
+    """On a terminal (a pty): a banner naming the commands, a `> ` prompt, each reply streamed,
+    /system starting a new conversation, an unknown command named, Ctrl-D leaving with exit 0."""
+    import os
+    import pty
+    import subprocess
+    import sys
+    import time
+
+    folder, _ = exported("llama")
+    session = Session(folder)
+    one = [{"role": "user", "content": "hello world"}]
+    reply = session.generate(session.chat_ids(one), Sampling(max_tokens=4)).run()
+    main_fd, child_fd = pty.openpty()
+    child = subprocess.Popen([sys.executable, "-m", "edgellm.cli", "chat", str(folder), "-n", "4"],
+                             stdin=child_fd, stdout=child_fd, stderr=child_fd, close_fds=True)
+    os.close(child_fd)
+    seen = b""
+
+    def until(text: bytes, timeout=60):
+        nonlocal seen
+        deadline = time.monotonic() + timeout
+        while text not in seen:
+            assert time.monotonic() < deadline, seen
+            try:
+                seen += os.read(main_fd, 4096)
+            except OSError:  # the child closed the terminal
+                break
+        return seen
+
+    until(b"> ")
+    assert b"/reset starts over, /system TEXT sets the system message" in seen
+    os.write(main_fd, b"hello world\n")
+    until(reply.encode() + b"\r\n> ")
+    os.write(main_fd, b"/system be brief\n")
+    until(b"(a new conversation)")
+    os.write(main_fd, b"/nope\n")
+    until(b"unknown command /nope")
+    os.write(main_fd, b"\x04")  # Ctrl-D at the prompt
+    assert child.wait(30) == 0
+    os.close(main_fd)
