@@ -3,9 +3,10 @@
     python bench/op_profile.py PTE [PTE ...] [--prompt-len 64] [--steps 64]
 
 Each program is loaded with ETDump profiling on (ExecuTorch's wheel records every operator call
-and, inside the XNNPACK delegate, every XNNPACK operator), then runs a prompt three times from
-position 0 and `--steps` single-token calls after it. Printed per program: prefill (the fastest of
-the last two prompt runs) and decode (the mean per token) in microseconds, split into XNNPACK's
+and, inside the XNNPACK delegate, every XNNPACK operator) twice: to run a prompt three times from
+position 0, then to run `--steps` single-token calls after one more. Printed per program: prefill
+(the fastest of the last two prompt runs) and decode (the mean per token; a cond branch's events
+count on the calls that ran them) in microseconds, split into XNNPACK's
 GEMMs (fully connected), other XNNPACK work, and each operator outside the delegates. Profiling
 adds a few microseconds per event, so totals read a little above `edgellm bench`. The last line
 is one JSON object with every figure.
@@ -34,31 +35,45 @@ one_thread_per_team()  # before torch is imported
 def profile(pte: Path, prompt_len: int, steps: int) -> dict:
     import torch
 
+    ids = torch.randint(0, 256, (1, prompt_len), generator=torch.Generator().manual_seed(0))
+    prompt = [(ids, torch.tensor([0]))] * 3  # the first run also plans and packs: not counted
+    decode = [(torch.tensor([[1 + i % 50]]), torch.tensor([prompt_len + i]))
+              for i in range(steps + 1)]  # the first, a warm-up: not counted
+    return {"prefill_us": split(_per_run(pte, prompt, skip=1, best=True)),
+            "decode_us": split(_per_run(pte, decode, skip=1, best=False))}
+
+
+def _per_run(pte: Path, calls: list, skip: int, best: bool) -> collections.Counter:
+    """Microseconds per call of `forward` for each event, over `calls` run in a program loaded
+    with ETDump on, the first `skip` not counted: the fastest call's (`best`) or the mean. The
+    Inspector gives one block of events a call when the calls ran different events (a cond's
+    branches), else one block whose events hold a duration per call."""
     import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401  llama:: kernels
     import executorch.kernels.quantized  # noqa: F401  quantized embeddings
     from executorch.devtools import Inspector
     from executorch.extension.pybindings import portable_lib
 
     module = portable_lib._load_for_executorch(str(pte), enable_etdump=True, debug_buffer_size=0)
-    ids = torch.randint(0, 1000, (1, prompt_len), generator=torch.Generator().manual_seed(0))
-    for _ in range(3):  # the first run also plans and packs: not counted
-        module.run_method("forward", (ids, torch.tensor([0])))
-    for i in range(steps):
-        module.run_method("forward", (torch.tensor([[1]]), torch.tensor([prompt_len + i])))
+    for args in calls:
+        module.run_method("forward", args)
     with tempfile.TemporaryDirectory() as tmp:
         dump = Path(tmp) / "etdump.etdp"
         module.write_etdump_result_to_file(str(dump))
-        events = [e for block in Inspector(etdump_path=str(dump)).event_blocks
-                  if block.name == "Execute" for e in block.events if e.perf_data is not None]
-    prefill, decode = collections.Counter(), collections.Counter()
-    for event in events:
-        raw = event.perf_data.raw  # ms, one per run of the method
-        if len(raw) != 3 + steps:  # an event of some runs only (none expected)
-            continue
-        name = re.sub(r" #\d+$", "", event.name)
-        prefill[name] += min(raw[1:3]) * 1000
-        decode[name] += sum(raw[3:]) / steps * 1000
-    return {"prefill_us": split(prefill), "decode_us": split(decode)}
+        blocks = [[e for e in block.events if e.perf_data is not None]
+                  for block in Inspector(etdump_path=str(dump)).event_blocks
+                  if block.name == "Execute"]
+    runs = [collections.Counter() for _ in calls]  # per call: event name -> us
+    for events in blocks if len(blocks) == len(calls) else [None]:
+        for event in events if events is not None else blocks[0]:
+            raw = event.perf_data.raw  # ms: one per call its block covers
+            name = re.sub(r" #\d+$", "", event.name)
+            for i, ms in enumerate(raw if events is None else [sum(raw)]):
+                runs[i if events is None else blocks.index(events)][name] += ms * 1000
+    counted = runs[skip:]
+    if best:
+        return min(counted, key=lambda run: run["Method::execute"])
+    return collections.Counter({name: sum(run[name] for run in counted) / len(counted)
+                                for name in set().union(*counted)})
 
 
 def split(times: collections.Counter) -> dict:
