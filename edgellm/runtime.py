@@ -1,6 +1,6 @@
 """Running a .pte through the ExecuTorch runtime behind the same interface as the eager model:
-`forward(tokens[1, T], input_pos[1]) -> logits[1, V]`, plus greedy decoding (verification's);
-generation with sampling and a tokenizer is session.py's."""
+`forward(tokens[1, T], input_pos[1]) -> logits[1, V]`, plus a bare greedy decode loop (no
+tokenizer, nothing kept per token); generation with sampling and a tokenizer is session.py's."""
 
 from __future__ import annotations
 
