@@ -236,15 +236,21 @@ def test_constants_kept_by_reference_write_the_upstream_bytes(tiny_models, tmp_p
 
 def test_a_program_with_a_cond_per_expert_gets_the_upstream_bytes(tiny_models, tmp_path,
                                                                   monkeypatch):
-    """`--experts chosen` (Qwen3-MoE here, LFM2-MoE's in test_moe: 2 sparse blocks, a cond and a
-    delegate per expert: 32 branches): every patch off, then on, the same model.pte; with them,
-    torch's pass that puts the in-place ops back runs once per method instead of once per
-    submodule."""
+    """`--experts chosen` (a one-layer Qwen3-MoE of 4 experts here, LFM2-MoE's in test_moe: a
+    cond and a delegate per expert: 8 branches): every patch off, then on, the same model.pte;
+    with them, torch's pass that puts the in-place ops back runs once per method instead of once
+    per submodule."""
     import torch.export._remove_auto_functionalized_pass as pass_module
+
+    from conftest import save_model
 
     options = dict(quiet=True, quantize="8da4w", group_size=32, experts="chosen", verify=False,
                    etrecord=False, max_seq_len=16, max_context_len=48)
-    folder = tiny_models["qwen3_moe"][0]
+    config = copy.deepcopy(tiny_models["qwen3_moe"][1].config)
+    config.num_hidden_layers, config.mlp_only_layers = 1, []  # upstream's pass is quadratic
+    config.num_experts = 4
+    folder = tmp_path / "qwen3_moe-1"
+    save_model(config, folder)
     monkeypatch.setenv(patches.SWITCH, "all")
     edgellm.export(folder, output=tmp_path / "upstream", **options)
     monkeypatch.delenv(patches.SWITCH)
