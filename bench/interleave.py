@@ -2,7 +2,7 @@
 a change, or a variant beside export_llm's program, on the same weights.
 
 usage: python bench/interleave.py A.pte B.pte [...] [--rounds 5] [--steps 32] [--prompt 64]
-           [--decode-only]
+           [--decode-only] [--threads N]
 
 Each round measures every program in turn (the order reversed every other round) with
 speed_vs_anchor.py's `measure`: the best of 3 one-call prefills and the median single-token
@@ -29,7 +29,13 @@ def main():
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--prompt", type=int, default=64)
     p.add_argument("--decode-only", action="store_true")
+    p.add_argument("--threads", type=int, help="ExecuTorch's threadpool size (default: its own, "
+                   "one per core)")
     a = p.parse_args()
+    if a.threads:
+        from executorch.extension.pybindings import portable_lib
+
+        portable_lib._unsafe_reset_threadpool(a.threads)
     programs = {path: Program(path) for path in a.programs}
     prompt = torch.randint(0, 60000, (a.prompt,), generator=torch.Generator().manual_seed(0))
     runs = {path: {"prefill": [], "decode": []} for path in programs}
