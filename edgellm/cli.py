@@ -280,7 +280,8 @@ def main(argv=None) -> int:
         print(f"edgellm: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
-        print("edgellm: interrupted; nothing was written to the output folder", file=sys.stderr)
+        print("edgellm: interrupted" + ("; nothing was written to the output folder"
+                                        if a.command == "export" else ""), file=sys.stderr)
         return 130
     except BrokenPipeError:  # the reader of stdout left (`edgellm models | head`): as Unix tools
         import os
@@ -292,9 +293,9 @@ def main(argv=None) -> int:
             raise
         where = _origin(e)
         first = (str(e).strip().splitlines() or [""])[0][:300]
-        print(f"edgellm: internal error{where}: {type(e).__name__}: {first}. Nothing was written "
-              "to the output folder. Rerun with --debug for the traceback and report it with the "
-              "command line", file=sys.stderr)
+        kept = " Nothing was written to the output folder." if a.command == "export" else ""
+        print(f"edgellm: internal error{where}: {type(e).__name__}: {first}.{kept} Rerun with "
+              "--debug for the traceback and report it with the command line", file=sys.stderr)
         return 3
 
 

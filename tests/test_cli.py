@@ -118,6 +118,7 @@ def test_a_library_failure_is_one_line_exit_3_and_leaves_nothing(tiny_models, tm
     err = capsys.readouterr().err
     assert err.startswith("edgellm: internal error in torch: ") and err.count("\n") == 1
     assert "Rerun with --debug for the traceback" in err and "Traceback" not in err
+    assert "Nothing was written to the output folder." in err  # (export only says so)
     assert not (tmp_path / "o").exists() and list(tmp_path.iterdir()) == []
     with pytest.raises(Exception):
         main(["--debug", *args])
