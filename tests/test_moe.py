@@ -188,6 +188,26 @@ def test_chosen_experts_refused_when_the_partitioners_leave_an_expert_outside():
         lower_experts(block, lambda: [], max_tokens=4)
 
 
+def test_each_expert_is_lowered_to_a_delegate_without_a_deprecation_warning(caplog):
+    """lower_experts lowers each expert from one edge program (to_edge_transform_and_lower's
+    first step) through to_backend: a delegate apiece, and no warning of the deprecated
+    to_edge + to_backend split, which this is not (XNNPACK's partitioner would log one per
+    expert)."""
+    from edgellm.architectures.moe import Expert
+    from edgellm.backends import get_backend
+    from edgellm.lower import lower_experts
+
+    block = random_block(ROUTINGS["sigmoid-bias"])
+    block.use_each(torch.nn.ModuleList(Expert.of(a, b) for a, b in zip(
+        block.experts.gate_up_proj, block.experts.down_proj)))
+    xnnpack = get_backend("xnnpack")
+    with caplog.at_level("WARNING"):
+        assert lower_experts(block, lambda: xnnpack.make_partitioners(xnnpack.options()),
+                             max_tokens=4) == 8
+    assert len(block.delegates) == 8
+    assert not [r for r in caplog.records if "to_backend()" in r.getMessage()]
+
+
 def test_chosen_experts_program_branches_to_a_delegate_apiece(exported, tiny_models):
     """8da4w with the experts as the default (auto) runs them, `--experts chosen`: each expert
     of the 2 sparse blocks is an XNNPACK delegate of its own behind a torch.cond on whether a
