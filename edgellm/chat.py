@@ -21,7 +21,7 @@ def chat(target, n: int = 512, system: str | None = None, tokenizer=None, stdin=
     """Talk to the program until stdin ends; returns the conversation's messages."""
     stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
     session, options = Session(target, tokenizer), Sampling.of(max_tokens=n, **sampling)
-    session.chat_ids([{"role": "user", "content": ""}])  # no template: refused before a turn
+    session.chat_template()  # none shipped: refused before the first turn
     terminal = stdin.isatty()
     start = [{"role": "system", "content": system}] if system else []
     messages = list(start)

@@ -82,7 +82,7 @@ def sampling_flags(parser) -> None:
         if f.name == "stop":
             parser.add_argument(flag, action="append", default=[], help=HELP[f.name])
         else:
-            kind = int if f.name in ("top_k", "seed") else float
+            kind = int if str(f.type).startswith("int") else float  # "int | None": seed
             parser.add_argument(flag, type=kind, default=f.default, help=HELP[f.name])
 
 

@@ -118,9 +118,8 @@ class Server:
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
         if len(stop) > 4 or not all(stop):
             raise _Refused("stop: up to 4 non-empty strings", "stop")
-        return Sampling(temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
-                        min_p=body.min_p, repetition_penalty=body.repetition_penalty,
-                        seed=body.seed, stop=stop,
+        same = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed")
+        return Sampling(**{k: getattr(body, k) for k in same}, stop=stop,
                         max_tokens=asked or (context - prompt if context else 256))
 
 

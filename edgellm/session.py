@@ -52,14 +52,18 @@ class Session:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text).ids
 
+    def chat_template(self):
+        """transformers' tokenizer for the folder, which holds and renders the chat template
+        (read once); InputError when the export shipped none."""
+        if self._chat is None:
+            self._chat = _chat_tokenizer(self.folder)
+        return self._chat
+
     def chat_ids(self, messages: list[dict]) -> list[int]:
         """`messages` ([{"role", "content"}]) rendered by the model's own chat template, as
         transformers renders it (a sandboxed Jinja environment), ready for the reply."""
-        if self._chat is None:
-            self._chat = _chat_tokenizer(self.folder)
-        ids = self._chat.apply_chat_template(messages, add_generation_prompt=True,
-                                             tokenize=True, return_dict=False)
-        return list(ids)
+        return list(self.chat_template().apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False))
 
     def reset(self) -> None:
         self.fed = []

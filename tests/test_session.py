@@ -86,7 +86,9 @@ def test_generate_samples_with_a_seed_and_stops_at_a_stop_string(exported, capsy
     assert capsys.readouterr().out == one + "\n"
 
 
-def test_a_model_without_a_chat_template_is_refused_for_chat(exported, tmp_path):
+def test_a_model_without_a_chat_template_is_refused_for_chat(
+        exported, tmp_path, capsys, monkeypatch):
+    """Refused by name, and `edgellm chat` refuses before reading a first message."""
     import shutil
 
     folder, _ = exported("llama")
@@ -96,6 +98,9 @@ def test_a_model_without_a_chat_template_is_refused_for_chat(exported, tmp_path)
                        "generate` with a plain prompt"):
         Session(bare).chat_ids([{"role": "user", "content": "hi"}])
     assert json.loads((bare / "report.json").read_text())  # the rest was copied
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello\n"))
+    assert main(["chat", str(bare)]) == 2
+    assert "has no chat template" in capsys.readouterr().err
 
 
 def test_chat_on_a_terminal_streams_replies_and_takes_commands(exported):
