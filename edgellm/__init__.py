@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from .errors import ConfigError, EdgeLLMError, InputError, VerificationError
 
-__all__ = ["export", "verify", "bench", "generate", "models", "compare", "EdgeLLMError",
+__all__ = ["export", "verify", "bench", "generate", "models", "compare", "sweep", "EdgeLLMError",
            "InputError", "ConfigError", "VerificationError"]
 
 
@@ -53,6 +53,20 @@ def generate(pte, prompt: str, n: int = 32, tokenizer=None, on_text=None, *, cha
     from .session import generate as run
 
     return run(pte, prompt, n=n, tokenizer=tokenizer, on_text=on_text, chat=chat, **sampling)
+
+
+def sweep(model=None, *, backends="xnnpack", recipes="fp32,8da8w,8da4w,8da4w+emb4",
+          output="edgellm-sweep", workers=None, ray=None, bench=True, quiet=False,
+          **options) -> list[dict]:
+    """Export `model` once per backend and recipe (sweeps.RECIPE_GRAMMAR: "8da4w-g32+emb4", ...)
+    into OUTPUT/<backend>-<recipe>/, verify and (where the backend runs here) bench each, and
+    write OUTPUT/results.json, results.csv and index.html; returns the rows. `options`:
+    ExportConfig fields every export takes. `workers`: exports at once here at most (memory
+    permitting); `ray`: a Ray address, or "local", to run each export as a Ray task."""
+    from .sweeps import sweep as run
+
+    return run(model, backends=backends, recipes=recipes, output=output, workers=workers,
+               ray=ray, bench=bench, quiet=quiet, **options)
 
 
 def compare(a, b, method: str = "forward") -> dict:

@@ -199,6 +199,61 @@ def cmd_bench(a) -> int:
     return 0
 
 
+def cmd_sweep(a) -> int:
+    from . import sweep
+    from .config import apply_overrides
+
+    models = [x for x in a.args if "=" not in x]
+    if len(models) > 1:
+        raise_input(f"give at most one MODEL, got {len(models)}: {' '.join(models)}")
+    overrides = apply_overrides({}, [x for x in a.args if "=" in x])
+    if a.max_seq_len is not None:
+        overrides["max_seq_len"] = a.max_seq_len
+    rows = sweep(models[0] if models else None, backends=a.backends, recipes=a.recipes,
+                 output=a.output, workers=a.workers, ray=a.ray, bench=a.bench, quiet=a.quiet,
+                 **overrides)
+    bad = [r["name"] for r in rows if r["status"] != "ok"]
+    if bad:
+        print(f"edgellm: {len(bad)} of {len(rows)} exports not ok ({', '.join(bad)}): their "
+              f"rows in {a.output}/results.json say why", file=sys.stderr)
+    return 1 if bad else 0
+
+
+def cmd_explore(a) -> int:
+    from .explore import explore
+
+    explore(a.target, port=a.port, browser=a.browser)
+    return 0
+
+
+def _sweep_parser(sub) -> None:
+    from .sweeps import RECIPE_GRAMMAR
+
+    s = sub.add_parser("sweep", help="export one model in many recipes on many backends, with "
+                       "a visual report (DIR/index.html)",
+                       description="Export MODEL (the embedded SmolLM2-135M when omitted) once "
+                       "per backend and recipe into DIR/<backend>-<recipe>/, verify and bench "
+                       "each, and write DIR/results.json, results.csv and index.html. Arguments "
+                       "key=value set a config field for every export (e.g. max_context_len=1024"
+                       "). An export whose config and inputs are unchanged is not redone.")
+    s.add_argument("args", nargs="*", metavar="MODEL|key=value")
+    s.add_argument("--backends", default="xnnpack", help="comma-separated backends (default "
+                   "xnnpack)")
+    s.add_argument("--recipes", default="fp32,8da8w,8da4w,8da4w+emb4",
+                   help=f"comma-separated recipes (default fp32,8da8w,8da4w,8da4w+emb4); a "
+                   f"recipe is {RECIPE_GRAMMAR}")
+    s.add_argument("-o", "--output", default="edgellm-sweep", help="output folder (default "
+                   "edgellm-sweep)")
+    s.add_argument("--max-seq-len", type=int, help="as for export (default 128)")
+    s.add_argument("--workers", type=int, help="exports at once at most on this machine "
+                   "(default: the cores; fewer when the estimated peaks do not fit in memory)")
+    s.add_argument("--ray", metavar="ADDRESS", help="run each export as a Ray task on the "
+                   "cluster at ADDRESS, or 'local' to start one on this machine (edgellm[ray])")
+    s.add_argument("--no-bench", dest="bench", action="store_false", help="skip the speed "
+                   "measurements")
+    s.add_argument("--quiet", action="store_true", help="no progress lines")
+
+
 def cmd_compare(a) -> int:
     from . import compare
     from .report import compare_table
@@ -235,6 +290,12 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--port", type=int, default=8080, help="port (default 8080)")
     sv.add_argument("--queue", type=int, default=16, help="requests waiting for the program at "
                     "most; past that, 503 with Retry-After (default 16)")
+    _sweep_parser(sub)
+    e = sub.add_parser("explore", help="open an exported program in Google's Model Explorer")
+    e.add_argument("target", metavar="OUT", help="export folder or its model.pte")
+    e.add_argument("--port", type=int, default=8080, help="Model Explorer's port (default 8080)")
+    e.add_argument("--no-browser", dest="browser", action="store_false",
+                   help="serve only; print the address")
     sub.add_parser("models", help="architectures, backends and supported combinations")
     v = sub.add_parser("verify", help="check an exported program against its checkpoint")
     v.add_argument("target", metavar="OUT", help="export folder or its model.pte")
@@ -259,7 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     parser = build_parser()
     a, extra = parser.parse_known_args(argv)
-    if a.command == "export" and not any(x.startswith("-") for x in extra):
+    if a.command in ("export", "sweep") and not any(x.startswith("-") for x in extra):
         a.args += extra  # MODEL and key=value may come after the options too
     elif extra:
         parser.error(unrecognized(extra, a.command))
@@ -269,7 +330,7 @@ def main(argv=None) -> int:
         quiet_libraries()
     run = {"export": cmd_export, "generate": cmd_generate, "models": cmd_models,
            "compare": cmd_compare, "verify": cmd_verify, "bench": cmd_bench, "chat": cmd_chat,
-           "serve": cmd_serve}[a.command]
+           "serve": cmd_serve, "sweep": cmd_sweep, "explore": cmd_explore}[a.command]
     try:
         code = run(a)
         sys.stdout.flush()  # here, not at exit, where a closed pipe could not be caught

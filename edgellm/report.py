@@ -8,6 +8,8 @@ import json
 from collections import Counter
 from pathlib import Path
 
+from .pages import export_page
+
 NOT_COMPUTE = ("getitem",)  # get_delegation_info lists no placeholders or outputs
 
 
@@ -99,6 +101,8 @@ def preserved_report(preserved: list[dict], before: Counter, edge) -> list[dict]
 def write(report: dict, folder: Path) -> None:
     (folder / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     (folder / "report.md").write_text(markdown(report))
+    text = verify_summary(report["verify"]) if "verify" in report else ""
+    (folder / "report.html").write_text(export_page(report, text, NOT_COMPUTE), encoding="utf-8")
 
 
 def _dtypes(state: dict) -> str:

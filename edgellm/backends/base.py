@@ -31,6 +31,7 @@ class Backend:
     options: type = NoOptions  # frozen dataclass of this backend's options
     requires: tuple[str, ...] = ()  # modules its SDK needs, checked before any heavy work
     runs_here: bool = True  # can this machine's ExecuTorch runtime execute its programs
+    build_bytes_per_parameter: int = 0  # what building its program holds beyond the float model
     # Quantization: the linear recipes (quantize.RECIPES) it has kernels for as the first
     # backend of a chain; recipes refused wherever it stands in a chain, with the reason; whether
     # it stores embedding tables quantized.

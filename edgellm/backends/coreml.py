@@ -175,6 +175,7 @@ BACKEND = Backend(
             "device",
     dynamic_shapes=False,
     runs_here=False,  # the Linux runtime has no such backend; programs run on device
+    build_bytes_per_parameter=2,  # the MIL program's fp16 copy of the weights
     make_partitioners=_partitioners,
     # What Core ML receives follows how the model is written (../shared/reference/
     # lowering-findings.md and docs/design.md): one ATen node per norm whose weight is folded into

@@ -1,0 +1,459 @@
+"""A sweep: one model exported in every recipe on every backend, each export verified and (where
+its backend runs here) benchmarked, into one folder with a row per export.
+
+    DIR/<backend>-<recipe>/   the export (model.pte, report.json, report.html, ...)
+    DIR/configs/<name>.yaml   its resolved config (`edgellm export --config` replays it)
+    DIR/logs/<name>.log       what its export and bench printed
+    DIR/results.json, .csv    a row per export: size, accuracy, speed, export time and peak, status
+    DIR/index.html            the rows as charts and a sortable table (sweep_page.py)
+
+Every export is `edgellm export` in a process of its own, started by the same function whether
+the sweep runs here (as many at once as memory allows) or as Ray tasks (sweeps_ray.py): the rows
+are the same either way. A row is reused when its export's config, input files and library
+versions are those of the row (`key`), so an interrupted or extended sweep does only what is new;
+a failed export is a row with its error, and is tried again by the next sweep. Benchmarks run
+after every export is done, one at a time, so no export competes with them for the cores.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .errors import ConfigError, InputError
+
+# A recipe name is parts joined by "+": a dtype, a linear recipe with an optional group, an
+# embedding recipe with an optional group, int8 KV caches. "-pc" is per channel (group 0).
+RECIPE_PARTS = (
+    (r"(fp32|fp16|bf16)", lambda m: {"dtype": m[1]}),
+    (r"(8da4w|8da8w|4w|8w)(?:-g(\d+)|-(pc))?",
+     lambda m: {"quantize": m[1], **({"group_size": int(m[2])} if m[2] else {}),
+                **({"group_size": 0} if m[3] else {})}),
+    (r"emb(8|4)(?:-g(\d+)|-(pc))?",
+     lambda m: {"embedding_quantize": m[1] + (f",{m[2]}" if m[2] else ",0" if m[3] else "")}),
+    (r"kv8", lambda m: {"kv_cache": "int8"}),
+)
+RECIPE_GRAMMAR = ("parts joined by '+': fp32|fp16|bf16; 8da4w|8da8w|4w|8w with -gN (group N) or "
+                  "-pc (per channel); emb8|emb4 with -gN or -pc; kv8 (int8 KV caches); e.g. "
+                  "fp32, 8da4w, 8da4w-g32+emb4, 4w-pc, 8da8w+emb8+kv8")
+BENCH_PROMPT, BENCH_STEPS = 64, 32  # tokens, as bench/ scripts measure
+LIBRARIES = ("edgellm", "executorch", "torch", "torchao", "transformers", "coremltools")
+RESULTS = ("results.json", "results.csv", "index.html")
+
+
+def recipe_options(recipe: str) -> dict:
+    """'8da4w-g32+emb4' -> {'quantize': '8da4w', 'group_size': 32, 'embedding_quantize': '4,0'
+    ...}: ExportConfig fields. Raises InputError with the grammar for a name it cannot read."""
+    out: dict = {}
+    for part in recipe.split("+"):
+        for pattern, options in RECIPE_PARTS:
+            m = re.fullmatch(pattern, part)
+            if m:
+                taken = set(out) & set(options(m))
+                if taken:
+                    raise InputError(f"recipe {recipe!r}: '{part}' sets {', '.join(taken)} again")
+                out.update(options(m))
+                break
+        else:
+            raise InputError(f"recipe {recipe!r}: '{part}' is not a recipe part; a recipe is "
+                             f"{RECIPE_GRAMMAR}")
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    name: str  # the export's folder under DIR: <backend>-<recipe>
+    backend: str
+    recipe: str
+    config: str  # the export's resolved config, as YAML
+    key: str  # a digest of the config, the input files and the libraries' versions
+    estimate_mb: int  # the export's peak RSS, estimated (estimate_mb)
+    runs_here: bool  # can this machine's ExecuTorch runtime run the program (bench)
+
+
+def plan(model, backends: list[str], recipes: list[str], output: Path,
+         overrides: dict) -> tuple[list[Job], list[str]]:
+    """The jobs of a sweep, and a line for each (backend, recipe) the export's own validation
+    refuses (e.g. a weight-only recipe on XNNPACK), which is left out."""
+    from .backends import BACKENDS
+    from .config import dump_yaml, from_dict
+
+    if not backends or not recipes:
+        raise InputError("a sweep needs at least one backend (--backends) and one recipe "
+                         "(--recipes)")
+    unknown = [b for b in backends if b not in BACKENDS]
+    if unknown:
+        raise InputError(f"backends: {', '.join(unknown)} not one of {', '.join(BACKENDS)} (a "
+                         "sweep exports to each backend alone)")
+    options = {r: recipe_options(r) for r in recipes}
+    inputs, params = fingerprint(model, overrides), parameter_count(model)
+    jobs, skipped = [], []
+    for backend in backends:
+        for recipe in recipes:
+            name = f"{backend}-{recipe}"
+            common = {k: v for k, v in overrides.items() if k not in BACKENDS or k == backend}
+            common.update(_precision(BACKENDS[backend], options[recipe], common))
+            data = {**common, **options[recipe], "backends": [backend],
+                    "model": str(model) if model else None, "output": str(output / name)}
+            try:
+                cfg = from_dict(data)
+            except ConfigError as e:
+                skipped.append(f"{name}: {'; '.join(e.problems)}")
+                continue
+            text = dump_yaml(cfg)
+            keyed = json.dumps([re.sub(r"(?m)^output: .*$", "", text), inputs, versions()])
+            jobs.append(Job(name, backend, recipe, text, hashlib.sha256(keyed.encode()).hexdigest(),
+                            estimate_mb(params, backend, cfg.verify), BACKENDS[backend].runs_here))
+    return jobs, skipped
+
+
+def _precision(backend, options: dict, common: dict) -> dict:
+    """A recipe's dtype is also the compute precision of a backend that has one of its own
+    (Core ML's `precision`, fp16 unless told), so `coreml-fp32` computes in fp32."""
+    names = {f.name for f in dataclasses.fields(backend.options)}
+    if "dtype" not in options or "precision" not in names or options["dtype"] == "bf16":
+        return {}
+    return {backend.name: {**common.get(backend.name, {}), "precision": options["dtype"]}}
+
+
+def model_path(model) -> Path:
+    from .sources import default_model_path
+
+    return Path(model) if model else default_model_path()
+
+
+def fingerprint(model, overrides: dict) -> list:
+    """Name, size and modification time of every input file (the model's, params, tokenizer)."""
+    paths = [model_path(model)] + [Path(overrides[k]) for k in ("params", "tokenizer")
+                                   if overrides.get(k)]
+    out = []
+    for path in paths:
+        files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]
+        out += [[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in files]
+    return out
+
+
+def versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for name in LIBRARIES:
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def parameter_count(model) -> int:
+    """Parameters of the checkpoint, from file headers (nothing is read in full)."""
+    path = model_path(model)
+    if path.suffix == ".gguf":
+        from gguf import GGUFReader
+
+        return sum(int(t.n_elements) for t in GGUFReader(path).tensors)
+    if path.is_dir():
+        count = 0
+        for file in path.glob("*.safetensors"):
+            with open(file, "rb") as f:
+                header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+            count += sum(_prod(t["shape"]) for k, t in header.items() if k != "__metadata__")
+        return count
+    import torch
+
+    state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    return sum(t.numel() for t in state.values() if hasattr(t, "numel"))
+
+
+def _prod(shape) -> int:
+    out = 1
+    for n in shape:
+        out *= n
+    return out
+
+
+BASE_MB = 1000  # torch, ExecuTorch and transformers imported, before any weight
+BYTES_PER_PARAMETER = {True: 8, False: 6}  # with verify: transformers' fp32 model beside ours
+
+
+def estimate_mb(parameters: int, backend: str, verify: bool) -> int:
+    """An export's peak RSS, from above: float weights, the exported and lowered program's copies
+    and (verify) transformers' fp32 model; Core ML's build holds an fp16 copy more. A mixture of
+    experts quantized in a stream takes far less than this says."""
+    from .backends import get_backend
+
+    per = BYTES_PER_PARAMETER[verify] + get_backend(backend).build_bytes_per_parameter
+    return BASE_MB + parameters * per // 2**20
+
+
+# --- one export, one benchmark: what a worker (a thread here or a Ray task) runs -----------------
+
+def run_export(job: Job, output: str) -> dict:
+    """Export `job` into OUTPUT/<name> with `edgellm export` in its own process; the row."""
+    out = Path(output)
+    config = out / "configs" / f"{job.name}.yaml"
+    config.parent.mkdir(parents=True, exist_ok=True)
+    config.write_text(job.config)
+    row = {"name": job.name, "backend": job.backend, "recipe": job.recipe, "key": job.key,
+           "host": socket.gethostname(), "estimated_peak_mb": job.estimate_mb}
+    code, wall, peak, text = _run([sys.executable, "-m", "edgellm.cli", "export", "--config",
+                                   str(config), "--force", "--quiet"], out, job.name, "w")
+    row.update(export_s=round(wall, 1), peak_rss_mb=round(peak))
+    report = out / job.name / "report.json"
+    if code in (0, 1) and report.is_file():
+        row.update(from_report(json.loads(report.read_text())))
+        row["status"] = "ok" if code == 0 else "verification failed"
+        row["error"] = None if code == 0 else _last_line(text)
+    else:
+        row.update(status="failed", error=_last_line(text) or f"exit code {code}")
+    return row
+
+
+def run_bench(name: str, output: str) -> dict:
+    """`edgellm bench` of OUTPUT/<name>: {"prompt_tokens", "prefill_tok_s", "decode_tok_s"}, or
+    {"bench_error"}. The prompt is BENCH_PROMPT tokens and decode BENCH_STEPS steps, or what the
+    program's context holds of them."""
+    out = Path(output)
+    r = json.loads((out / name / "report.json").read_text())
+    prompt = max(1, min(BENCH_PROMPT, r["max_seq_len"], r["max_context_len"] // 2))
+    steps = max(1, min(BENCH_STEPS, r["max_context_len"] - prompt))
+    code, _, _, text = _run([sys.executable, "-m", "edgellm.cli", "bench", str(out / name),
+                             "--prompt-lengths", str(prompt), "--steps", str(steps)],
+                            out, name, "a")
+    if code != 0:
+        return {"bench_error": _last_line(text) or f"exit code {code}"}
+    b = json.loads(text.strip().splitlines()[-1])
+    return {"prompt_tokens": prompt, "decode_steps": steps,
+            "prefill_tok_s": b["prefill_tok_s"][str(prompt)], "decode_tok_s": b["decode_tok_s"]}
+
+
+def _run(cmd: list[str], out: Path, name: str, mode: str) -> tuple[int, float, float, str]:
+    """cmd's exit code, wall time, peak RSS (MB, from its own rusage) and output, also appended
+    to OUTPUT/logs/<name>.log."""
+    log = out / "logs" / f"{name}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    text = proc.stdout.read()
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    proc.stdout.close()
+    with open(log, mode) as f:
+        f.write(f"$ {' '.join(cmd)}\n{text}")
+    return proc.returncode, time.perf_counter() - t0, usage.ru_maxrss / 1024, text
+
+
+def _last_line(text: str) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[-1][:500] if lines else ""
+
+
+def from_report(r: dict) -> dict:
+    """A row's figures from an export's report.json, all against transformers in fp32: the
+    perplexity of the shipped text and the top-1 agreement along it; SQNR and top-1 of the
+    check that measures the recipe (quantization), else for an fp32 program its own check (or,
+    a backend that does not run here, the exported graph's). A program in another dtype is
+    checked against its own dtype's model: no SQNR against fp32 for it."""
+    checks = {c["level"]: c for c in r.get("verify", {}).get("checks", [])}
+    cost = checks.get("quantization")
+    if cost is None and r["dtype"] == "fp32":
+        cost = checks.get("program") or checks.get("exported graph")
+    ppl = r.get("verify", {}).get("perplexity") or {}
+    accuracy = {"sqnr_db": round(cost["sqnr_db"], 2) if cost else None,
+                "top1": round(cost["top1"], 4) if cost else None,
+                "perplexity": ppl.get("program", ppl.get("exported_graph")),
+                "perplexity_fp32": ppl.get("transformers_fp32"),
+                "text_top1": ppl.get("top1_vs_fp32")}
+    return {"pte_bytes": r["pte_bytes"], "accuracy": accuracy,
+            "verified": r["verify"]["passed"] if "verify" in r else None,
+            "weight_bytes_per_token": r.get("weight_bytes_per_token")}
+
+
+# --- the sweep ------------------------------------------------------------------------------------
+
+def sweep(model=None, *, backends, recipes, output, workers: int | None = None,
+          ray: str | None = None, bench: bool = True, quiet: bool = False,
+          **overrides) -> list[dict]:
+    """Export `model` in each recipe on each backend into `output` (see the module's docstring);
+    returns the rows, also written to results.json, results.csv and index.html. `overrides` are
+    ExportConfig fields every export takes (max_seq_len, verify, ...). `workers`: exports at
+    once at most here (default: the cores; memory may allow fewer); `ray`: an address, or
+    "local" for a Ray cluster on this machine, to run each export as a Ray task."""
+    out = Path(output).resolve()
+    if isinstance(backends, str):
+        backends = [b for b in backends.split(",") if b]
+    if isinstance(recipes, str):
+        recipes = [r for r in recipes.split(",") if r]
+    for name in ("backends", "model", "output", "force"):
+        if name in overrides:
+            raise InputError(f"{name}: a sweep sets it per export; give it to the sweep itself")
+
+    def say(text: str) -> None:
+        if not quiet:
+            print(f"[sweep] {text}", file=sys.stderr, flush=True)
+
+    jobs, skipped = plan(model, list(backends), list(recipes), out, overrides)
+    for line in skipped:
+        say(f"left out {line}")
+    out.mkdir(parents=True, exist_ok=True)
+    previous = {row["name"]: row for row in load_rows(out)}
+    rows = {j.name: previous[j.name] for j in jobs if reusable(previous.get(j.name), j, out)}
+    todo = [j for j in jobs if j.name not in rows]
+    say(f"{len(jobs)} exports: {len(rows)} done before, {len(todo)} to run"
+        + ("" if not todo or ray else f", {_at_once(todo, workers)} at once at most here"))
+    started, runner = time.perf_counter(), None
+    try:
+        if todo:
+            runner = _ray_runner(ray) if ray else _local_runner(workers)
+            for row in runner.exports(todo, str(out)):
+                rows[row["name"]] = row
+                say(f"[{len(rows)}/{len(jobs)}] {describe(row)}")
+                write_results(out, [rows[j.name] for j in jobs if j.name in rows])
+        timed = [j for j in jobs if bench and j.runs_here and rows[j.name]["status"] != "failed"
+                 and "decode_tok_s" not in (rows[j.name].get("speed") or {})]
+        for job in timed:
+            runner = runner or (_ray_runner(ray) if ray else _local_runner(workers))
+            rows[job.name]["speed"] = runner.bench(job.name, str(out))
+            say(f"bench {job.name}: {describe_speed(rows[job.name]['speed'])}")
+            write_results(out, [rows[j.name] for j in jobs if j.name in rows])
+    finally:
+        if runner:
+            runner.close()
+    result = [rows[j.name] for j in jobs]
+    write_results(out, result)
+    say(f"{len(todo)} exported in {time.perf_counter() - started:.0f} s; {out / 'index.html'}")
+    return result
+
+
+def reusable(row: dict | None, job: Job, out: Path) -> bool:
+    """A row from an earlier sweep stands if its export's key is the job's, it did not fail, and
+    its program is still there."""
+    return (row is not None and row.get("key") == job.key and row.get("status") != "failed"
+            and (out / job.name / "model.pte").is_file())
+
+
+def load_rows(out: Path) -> list[dict]:
+    path = out / "results.json"
+    try:
+        rows = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []
+    return rows if isinstance(rows, list) else []
+
+
+def write_results(out: Path, rows: list[dict]) -> None:
+    """results.json, results.csv and index.html, each replaced whole (a reader never sees half)."""
+    from .pages import sweep_page
+
+    texts = {"results.json": json.dumps(rows, indent=2) + "\n", "results.csv": csv_text(rows),
+             "index.html": sweep_page(rows, title=f"edgellm sweep: {out.name}")}
+    for name, text in texts.items():
+        tmp = out / f".{name}.tmp"
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, out / name)
+
+
+CSV_COLUMNS = ("name", "backend", "recipe", "status", "pte_bytes", "accuracy.sqnr_db",
+               "accuracy.top1", "accuracy.perplexity", "accuracy.perplexity_fp32",
+               "accuracy.text_top1", "speed.prefill_tok_s", "speed.decode_tok_s", "export_s",
+               "peak_rss_mb", "estimated_peak_mb", "host", "error")
+
+
+def field(row: dict, dotted: str):
+    value = row
+    for part in dotted.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    return value
+
+
+def csv_text(rows: list[dict]) -> str:
+    import csv
+    import io
+
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    writer.writerow(CSV_COLUMNS)
+    for row in rows:
+        writer.writerow(["" if field(row, c) is None else field(row, c) for c in CSV_COLUMNS])
+    return buf.getvalue()
+
+
+def describe(row: dict) -> str:
+    if row["status"] == "failed":
+        return f"{row['name']}: FAILED after {row['export_s']} s: {row['error']}"
+    acc = row["accuracy"]
+    figures = ", ".join(f"{label} {acc[k]:.3g}" for k, label in (
+        ("sqnr_db", "SQNR dB"), ("top1", "top-1"), ("perplexity", "perplexity"))
+        if acc.get(k) is not None)
+    return (f"{row['name']}: {row['status']}, {row['pte_bytes'] / 1e6:.1f} MB"
+            + (f", {figures}" if figures else "")
+            + f", {row['export_s']} s, peak {row['peak_rss_mb']} MB")
+
+
+def describe_speed(speed: dict) -> str:
+    if "bench_error" in speed:
+        return f"FAILED: {speed['bench_error']}"
+    return (f"prefill {speed['prefill_tok_s']:.1f} tok/s, decode {speed['decode_tok_s']:.1f} "
+            "tok/s")
+
+
+def _at_once(jobs: list[Job], workers: int | None) -> int:
+    from .memory import available_bytes
+
+    have = (available_bytes() or 0) // 2**20
+    largest = max(j.estimate_mb for j in jobs)
+    by_memory = max(1, int(have * MEMORY_SHARE) // largest) if have else 1
+    return max(1, min(workers or os.cpu_count() or 1, by_memory, len(jobs)))
+
+
+MEMORY_SHARE = 0.9  # of the memory available when the sweep starts, for its exports
+
+
+class _local_runner:
+    """Exports as processes on this machine: a new one starts while the estimated peaks of those
+    running and its own fit in the memory available at the start (one runs alone whatever its
+    estimate), up to `workers` at once."""
+
+    def __init__(self, workers: int | None):
+        self.workers = workers or os.cpu_count() or 1
+
+    def exports(self, jobs: list[Job], output: str):
+        from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+
+        from .memory import available_bytes
+
+        budget = int((available_bytes() or 0) / 2**20 * MEMORY_SHARE) or None
+        pending, running = list(jobs), {}
+        with ThreadPoolExecutor(self.workers) as pool:
+            while pending or running:
+                used = sum(j.estimate_mb for j in running.values())
+                for job in list(pending):
+                    fits = budget is None or used + job.estimate_mb <= budget or not running
+                    if len(running) < self.workers and fits:
+                        pending.remove(job)
+                        running[pool.submit(run_export, job, output)] = job
+                        used += job.estimate_mb
+                done, _ = wait(running, return_when=FIRST_COMPLETED)
+                for future in done:
+                    del running[future]
+                    yield future.result()
+
+    def bench(self, name: str, output: str) -> dict:
+        return run_bench(name, output)
+
+    def close(self) -> None:
+        pass
+
+
+def _ray_runner(address: str):
+    from .sweeps_ray import RayRunner
+
+    return RayRunner(address, run_export, run_bench)
