@@ -341,8 +341,9 @@ def main(argv=None) -> int:
         print(f"edgellm: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
-        print("edgellm: interrupted" + ("; nothing was written to the output folder"
-                                        if a.command == "export" else ""), file=sys.stderr)
+        kept = {"export": "; nothing was written to the output folder",
+                "sweep": "; results.json keeps the exports done (a new sweep goes on from there)"}
+        print("edgellm: interrupted" + kept.get(a.command, ""), file=sys.stderr)
         return 130
     except BrokenPipeError:  # the reader of stdout left (`edgellm models | head`): as Unix tools
         import os

@@ -17,11 +17,13 @@ after every export is done, one at a time, so no export competes with them for t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -235,6 +237,9 @@ def run_bench(name: str, output: str) -> dict:
             "prefill_tok_s": b["prefill_tok_s"][str(prompt)], "decode_tok_s": b["decode_tok_s"]}
 
 
+RUNNING: set = set()  # the processes _run started that are still running (interrupt them)
+
+
 def _run(cmd: list[str], out: Path, name: str, mode: str) -> tuple[int, float, float, str]:
     """cmd's exit code, wall time, peak RSS (MB, from its own rusage) and output, also appended
     to OUTPUT/logs/<name>.log."""
@@ -242,8 +247,12 @@ def _run(cmd: list[str], out: Path, name: str, mode: str) -> tuple[int, float, f
     log.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    text = proc.stdout.read()
-    _, status, usage = os.wait4(proc.pid, 0)
+    RUNNING.add(proc)
+    try:
+        text = proc.stdout.read()
+        _, status, usage = os.wait4(proc.pid, 0)
+    finally:
+        RUNNING.discard(proc)
     proc.returncode = os.waitstatus_to_exitcode(status)
     proc.stdout.close()
     with open(log, mode) as f:
@@ -313,7 +322,7 @@ def sweep(model=None, *, backends, recipes, output, workers: int | None = None,
     try:
         if todo:
             runner = _ray_runner(ray) if ray else _local_runner(workers)
-            for row in runner.exports(todo, str(out)):
+            for row in runner.exports(todo, str(out), say):
                 rows[row["name"]] = row
                 say(f"[{len(rows)}/{len(jobs)}] {describe(row)}")
                 write_results(out, [rows[j.name] for j in jobs if j.name in rows])
@@ -425,14 +434,14 @@ class _local_runner:
     def __init__(self, workers: int | None):
         self.workers = workers or os.cpu_count() or 1
 
-    def exports(self, jobs: list[Job], output: str):
+    def exports(self, jobs: list[Job], output: str, say):
         from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
         from .memory import available_bytes
 
         budget = int((available_bytes() or 0) / 2**20 * MEMORY_SHARE) or None
         pending, running = list(jobs), {}
-        with ThreadPoolExecutor(self.workers) as pool:
+        with ThreadPoolExecutor(self.workers) as pool, _interrupting_children():
             while pending or running:
                 used = sum(j.estimate_mb for j in running.values())
                 for job in list(pending):
@@ -441,6 +450,7 @@ class _local_runner:
                         pending.remove(job)
                         running[pool.submit(run_export, job, output)] = job
                         used += job.estimate_mb
+                        say(f"started {job.name} (estimated peak {job.estimate_mb} MB)")
                 done, _ = wait(running, return_when=FIRST_COMPLETED)
                 for future in done:
                     del running[future]
@@ -451,6 +461,19 @@ class _local_runner:
 
     def close(self) -> None:
         pass
+
+
+@contextlib.contextmanager
+def _interrupting_children():
+    """Ctrl-C (or any error) in the sweep interrupts the exports it started (a terminal sends
+    them SIGINT too, but a `kill -INT` of the sweep alone would leave them running), so the
+    pool's threads end; each export removes its partial folder."""
+    try:
+        yield
+    except BaseException:
+        for proc in list(RUNNING):
+            proc.send_signal(signal.SIGINT)
+        raise
 
 
 def _ray_runner(address: str):

@@ -52,7 +52,7 @@ class RayRunner:
         want = job.estimate_mb * 2**20
         return min(want, self.largest) if self.largest else want
 
-    def exports(self, jobs: list, output: str):
+    def exports(self, jobs: list, output: str, say):
         import yaml
 
         task = self.ray.remote(_export_task)
@@ -62,6 +62,8 @@ class RayRunner:
             ref = task.options(num_cpus=1, memory=self._memory(job)).remote(
                 self.run_export, job, output, model)
             pending[ref] = job
+        say(f"{len(jobs)} tasks submitted to Ray ({self.ray.cluster_resources().get('CPU', 0):.0f}"
+            " CPUs in the cluster)")
         while pending:
             done, _ = self.ray.wait(list(pending), num_returns=1)
             del pending[done[0]]
