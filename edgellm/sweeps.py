@@ -73,6 +73,7 @@ def recipe_options(recipe: str) -> dict:
 @dataclasses.dataclass(frozen=True)
 class Job:
     name: str  # the export's folder under DIR: <backend>-<recipe>
+    model: str  # the checkpoint's path
     backend: str
     recipe: str
     config: str  # the export's resolved config, as YAML
@@ -112,8 +113,9 @@ def plan(model, backends: list[str], recipes: list[str], output: Path,
                 continue
             text = dump_yaml(cfg)
             keyed = json.dumps([re.sub(r"(?m)^output: .*$", "", text), inputs, versions()])
-            jobs.append(Job(name, backend, recipe, text, hashlib.sha256(keyed.encode()).hexdigest(),
-                            estimate_mb(params, backend, cfg.verify), BACKENDS[backend].runs_here))
+            jobs.append(Job(name, str(model_path(model).resolve()), backend, recipe, text,
+                            hashlib.sha256(keyed.encode()).hexdigest(),
+                            estimate_mb(params, backend, cfg), BACKENDS[backend].runs_here))
     return jobs, skipped
 
 
@@ -183,31 +185,36 @@ def _prod(shape) -> int:
 
 
 BASE_MB = 1000  # torch, ExecuTorch and transformers imported, before any weight
-BYTES_PER_PARAMETER = {True: 8, False: 6}  # with verify: transformers' fp32 model beside ours
+BYTES_PER_PARAMETER = 6  # the float model, and the exported and lowered programs' copies
+VERIFY_BYTES = 2  # verification: transformers' fp32 model beside edgellm's
+QUANTIZE_BYTES = 2  # a linear recipe: the float weights and their quantized copy at once
 
 
-def estimate_mb(parameters: int, backend: str, verify: bool) -> int:
-    """An export's peak RSS, from above: float weights, the exported and lowered program's copies
-    and (verify) transformers' fp32 model; Core ML's build holds an fp16 copy more. A mixture of
-    experts quantized in a stream takes far less than this says."""
+def estimate_mb(parameters: int, backend: str, cfg) -> int:
+    """An export's peak RSS, from above: float weights, the exported and lowered programs'
+    copies, (verify) transformers' fp32 model, (a linear recipe) the quantized copies, and what
+    the backend's build holds more (Core ML's fp16 copy). A mixture of experts quantized in a
+    stream takes far less than this says."""
     from .backends import get_backend
 
-    per = BYTES_PER_PARAMETER[verify] + get_backend(backend).build_bytes_per_parameter
+    per = (BYTES_PER_PARAMETER + VERIFY_BYTES * cfg.verify + QUANTIZE_BYTES * bool(cfg.quantize)
+           + get_backend(backend).build_bytes_per_parameter)
     return BASE_MB + parameters * per // 2**20
 
 
 # --- one export, one benchmark: what a worker (a thread here or a Ray task) runs -----------------
 
-def run_export(job: Job, output: str) -> dict:
-    """Export `job` into OUTPUT/<name> with `edgellm export` in its own process; the row."""
+def run_export(job: Job, output: str, threads: int | None = None) -> dict:
+    """Export `job` into OUTPUT/<name> with `edgellm export` in its own process; the row.
+    `threads`: its OpenMP team (OMP_NUM_THREADS), where several exports share the cores."""
     out = Path(output)
     config = out / "configs" / f"{job.name}.yaml"
     config.parent.mkdir(parents=True, exist_ok=True)
     config.write_text(job.config)
-    row = {"name": job.name, "backend": job.backend, "recipe": job.recipe, "key": job.key,
-           "host": socket.gethostname(), "estimated_peak_mb": job.estimate_mb}
+    row = first_fields(job)
     code, wall, peak, text = _run([sys.executable, "-m", "edgellm.cli", "export", "--config",
-                                   str(config), "--force", "--quiet"], out, job.name, "w")
+                                   str(config), "--force", "--quiet"], out, job.name, "w",
+                                  threads)
     row.update(export_s=round(wall, 1), peak_rss_mb=round(peak))
     report = out / job.name / "report.json"
     if code in (0, 1) and report.is_file():
@@ -217,6 +224,12 @@ def run_export(job: Job, output: str) -> dict:
     else:
         row.update(status="failed", error=_last_line(text) or f"exit code {code}")
     return row
+
+
+def first_fields(job: Job) -> dict:
+    """What a row says before its export ran."""
+    return {"name": job.name, "model": job.model, "backend": job.backend, "recipe": job.recipe,
+            "key": job.key, "host": socket.gethostname(), "estimated_peak_mb": job.estimate_mb}
 
 
 def run_bench(name: str, output: str) -> dict:
@@ -240,13 +253,18 @@ def run_bench(name: str, output: str) -> dict:
 RUNNING: set = set()  # the processes _run started that are still running (interrupt them)
 
 
-def _run(cmd: list[str], out: Path, name: str, mode: str) -> tuple[int, float, float, str]:
+def _run(cmd: list[str], out: Path, name: str, mode: str,
+         threads: int | None = None) -> tuple[int, float, float, str]:
     """cmd's exit code, wall time, peak RSS (MB, from its own rusage) and output, also appended
-    to OUTPUT/logs/<name>.log."""
+    to OUTPUT/logs/<name>.log; `threads` sets OMP_NUM_THREADS unless the environment does."""
     log = out / "logs" / f"{name}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    env = os.environ.copy()
+    if threads and "OMP_NUM_THREADS" not in env:
+        env["OMP_NUM_THREADS"] = str(threads)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env)
     RUNNING.add(proc)
     try:
         text = proc.stdout.read()
@@ -312,34 +330,43 @@ def sweep(model=None, *, backends, recipes, output, workers: int | None = None,
     jobs, skipped = plan(model, list(backends), list(recipes), out, overrides)
     for line in skipped:
         say(f"left out {line}")
+    if not jobs:
+        raise InputError("every backend and recipe pair was left out (above): nothing to export")
     out.mkdir(parents=True, exist_ok=True)
     previous = {row["name"]: row for row in load_rows(out)}
     rows = {j.name: previous[j.name] for j in jobs if reusable(previous.get(j.name), j, out)}
     todo = [j for j in jobs if j.name not in rows]
+    # rows of an earlier sweep of the same model into DIR stay in its table (an extended sweep)
+    kept = [row for name, row in previous.items() if name not in {j.name for j in jobs}
+            and row.get("model") == jobs[0].model and row.get("status") != "failed"
+            and (out / name / "model.pte").is_file()]
+
+    def table() -> list[dict]:
+        return [rows[j.name] for j in jobs if j.name in rows] + kept
+
     say(f"{len(jobs)} exports: {len(rows)} done before, {len(todo)} to run"
         + ("" if not todo or ray else f", {_at_once(todo, workers)} at once at most here"))
     started, runner = time.perf_counter(), None
     try:
         if todo:
-            runner = _ray_runner(ray) if ray else _local_runner(workers)
+            runner = _ray_runner(ray) if ray else _local_runner(_at_once(todo, workers))
             for row in runner.exports(todo, str(out), say):
                 rows[row["name"]] = row
                 say(f"[{len(rows)}/{len(jobs)}] {describe(row)}")
-                write_results(out, [rows[j.name] for j in jobs if j.name in rows])
+                write_results(out, table())
         timed = [j for j in jobs if bench and j.runs_here and rows[j.name]["status"] != "failed"
                  and "decode_tok_s" not in (rows[j.name].get("speed") or {})]
         for job in timed:
-            runner = runner or (_ray_runner(ray) if ray else _local_runner(workers))
+            runner = runner or (_ray_runner(ray) if ray else _local_runner(1))
             rows[job.name]["speed"] = runner.bench(job.name, str(out))
             say(f"bench {job.name}: {describe_speed(rows[job.name]['speed'])}")
-            write_results(out, [rows[j.name] for j in jobs if j.name in rows])
+            write_results(out, table())
     finally:
         if runner:
             runner.close()
-    result = [rows[j.name] for j in jobs]
-    write_results(out, result)
+    write_results(out, table())
     say(f"{len(todo)} exported in {time.perf_counter() - started:.0f} s; {out / 'index.html'}")
-    return result
+    return [rows[j.name] for j in jobs]
 
 
 def reusable(row: dict | None, job: Job, out: Path) -> bool:
@@ -429,10 +456,13 @@ MEMORY_SHARE = 0.9  # of the memory available when the sweep starts, for its exp
 class _local_runner:
     """Exports as processes on this machine: a new one starts while the estimated peaks of those
     running and its own fit in the memory available at the start (one runs alone whatever its
-    estimate), up to `workers` at once."""
+    estimate), up to `workers` at once. With more than one, each export's OpenMP team gets its
+    share of the cores: teams of the default size (every core) in two processes spin-wait
+    against each other, and two exports at once took longer than one after the other."""
 
-    def __init__(self, workers: int | None):
-        self.workers = workers or os.cpu_count() or 1
+    def __init__(self, workers: int):
+        self.workers = workers  # _at_once: what the cores, the memory and the user allow
+        self.threads = max(1, (os.cpu_count() or 1) // workers) if workers > 1 else None
 
     def exports(self, jobs: list[Job], output: str, say):
         from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
@@ -448,7 +478,7 @@ class _local_runner:
                     fits = budget is None or used + job.estimate_mb <= budget or not running
                     if len(running) < self.workers and fits:
                         pending.remove(job)
-                        running[pool.submit(run_export, job, output)] = job
+                        running[pool.submit(run_export, job, output, self.threads)] = job
                         used += job.estimate_mb
                         say(f"started {job.name} (estimated peak {job.estimate_mb} MB)")
                 done, _ = wait(running, return_when=FIRST_COMPLETED)
@@ -479,4 +509,4 @@ def _interrupting_children():
 def _ray_runner(address: str):
     from .sweeps_ray import RayRunner
 
-    return RayRunner(address, run_export, run_bench)
+    return RayRunner(address, run_export, run_bench, first_fields)

@@ -14,31 +14,29 @@ from pathlib import Path
 from .errors import InputError
 
 
-def _export_task(run_export, job, output: str, model: str | None) -> dict:
+def _export_task(run_export, first_fields, job, output: str) -> dict:
     """run_export (sweeps.run_export) on a node, after checking the node sees the sweep's
     files."""
-    missing = [p for p in (output, model) if p and not Path(p).exists()]
+    missing = [p for p in (output, job.model) if not Path(p).exists()]
     if missing:
-        import socket
-
-        return {"name": job.name, "backend": job.backend, "recipe": job.recipe, "key": job.key,
-                "host": socket.gethostname(), "estimated_peak_mb": job.estimate_mb,
-                "status": "failed", "error": f"{', '.join(missing)} not found on this node: a "
-                "Ray sweep needs the model and the output folder on storage every node sees"}
+        return {**first_fields(job), "status": "failed", "error": f"{', '.join(missing)} not "
+                "found on this node: a Ray sweep needs the model and the output folder on storage "
+                "every node sees"}
     return run_export(job, output)
 
 
 class RayRunner:
     """`exports` and `bench` as sweeps' local runner has them, each call a Ray task running
-    `run_export` or `run_bench` (sweeps' own functions, handed over: this module imports none of
-    sweeps')."""
+    `run_export` or `run_bench` (sweeps' own functions, handed over with `first_fields`: this
+    module imports nothing of sweeps')."""
 
-    def __init__(self, address: str, run_export, run_bench):
+    def __init__(self, address: str, run_export, run_bench, first_fields):
         try:
             import ray
         except ModuleNotFoundError as e:
             raise InputError("--ray needs Ray: pip install 'edgellm[ray]'") from e
         self.ray, self.run_export, self.run_bench = ray, run_export, run_bench
+        self.first_fields = first_fields
         if address == "local":
             ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
         else:
@@ -53,14 +51,11 @@ class RayRunner:
         return min(want, self.largest) if self.largest else want
 
     def exports(self, jobs: list, output: str, say):
-        import yaml
-
         task = self.ray.remote(_export_task)
         pending = {}
         for job in jobs:
-            model = yaml.safe_load(job.config).get("model")
             ref = task.options(num_cpus=1, memory=self._memory(job)).remote(
-                self.run_export, job, output, model)
+                self.run_export, self.first_fields, job, output)
             pending[ref] = job
         say(f"{len(jobs)} tasks submitted to Ray ({self.ray.cluster_resources().get('CPU', 0):.0f}"
             " CPUs in the cluster)")

@@ -6,13 +6,14 @@ import json
 import os
 import shutil
 import time
+import types
 from pathlib import Path
 
 import pytest
 
 import edgellm
 from edgellm.errors import InputError
-from edgellm.sweeps import load_rows, plan, recipe_options
+from edgellm.sweeps import estimate_mb, load_rows, plan, recipe_options
 
 from conftest import SIZES, made_once
 
@@ -43,6 +44,13 @@ def test_plan_leaves_out_what_a_backend_refuses_and_keys_on_inputs(tiny_models, 
     assert len(skipped) == 2 and skipped[0].startswith("xnnpack-4w: quantize: 4w on xnnpack")
     assert skipped[1].startswith("coreml-8da4w: quantize: 8da4w on coreml")
     assert [j.runs_here for j in jobs] == [True, True, False, False]
+
+    def cfg(verify=True, quantize=None):
+        return types.SimpleNamespace(verify=verify, quantize=quantize)
+    fp32 = estimate_mb(10**9, "xnnpack", cfg())  # a billion parameters: 3815 MB in fp32
+    assert fp32 > estimate_mb(10**9, "xnnpack", cfg(verify=False))
+    assert fp32 < estimate_mb(10**9, "xnnpack", cfg(quantize="8da4w"))
+    assert fp32 < estimate_mb(10**9, "coreml", cfg())  # its build's fp16 copy
     again, _ = plan(folder, ["xnnpack", "coreml"], ["fp32", "4w", "8da4w"], tmp_path / "other",
                     dict(SIZES))
     assert [j.key for j in again] == [j.key for j in jobs]  # the output folder is not an input
@@ -95,15 +103,21 @@ def test_a_sweep_writes_a_row_per_export_with_the_reports_figures(swept):
 FAILING_NAME = f"xnnpack-{FAILING}"
 
 
-def test_a_second_sweep_redoes_only_the_failed_export(swept, tiny_models, capsys):
-    out, rows = swept
+def test_a_second_sweep_redoes_only_the_failed_export_and_keeps_the_other_rows(
+        swept, tiny_models, tmp_path, capsys):
+    out = tmp_path / "again"  # a copy: other tests read the shared sweep
+    shutil.copytree(swept[0], out)
+    rows = swept[1]
     logs = {r["name"]: (out / "logs" / f"{r['name']}.log").stat().st_mtime_ns for r in rows}
-    again = edgellm.sweep(tiny_models["llama"][0], backends="xnnpack", recipes=RECIPES + [FAILING],
-                          output=out, **SIZES)
-    assert "4 exports: 3 done before, 1 to run" in capsys.readouterr().err
-    assert again[:3] == rows[:3]
+    again = edgellm.sweep(tiny_models["llama"][0], backends="xnnpack",
+                          recipes=[RECIPES[0], FAILING], output=out, **SIZES)
+    assert "2 exports: 1 done before, 1 to run" in capsys.readouterr().err
+    assert again[0] == rows[0] and again[1]["status"] == "failed"
     after = {r["name"]: (out / "logs" / f"{r['name']}.log").stat().st_mtime_ns for r in rows}
     assert [n for n in logs if logs[n] != after[n]] == [FAILING_NAME]
+    # the rows of the first sweep's other recipes stay in the folder's table
+    assert [r["name"] for r in load_rows(out)] == [rows[0]["name"], FAILING_NAME,
+                                                   rows[1]["name"], rows[2]["name"]]
 
 
 def test_a_sweep_on_a_local_ray_cluster_gives_the_same_rows(swept, tiny_models, tmp_path):
@@ -248,3 +262,42 @@ def test_explore_serves_the_program_in_model_explorer(exported):
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
+
+
+def test_ctrl_c_stops_a_sweep_and_the_exports_it_started(tiny_models, tmp_path):
+    """SIGINT to the sweep alone (as `kill -INT` sends it, not a terminal to the whole group):
+    the exports it started are interrupted too, and nothing is left half-written."""
+    import signal
+    import subprocess
+    import sys
+
+    out = tmp_path / "o"
+    child = subprocess.Popen(
+        [sys.executable, "-m", "edgellm.cli", "sweep", str(tiny_models["llama"][0]), "--recipes",
+         "fp32,8da8w", "-o", str(out), "--workers", "2", "--no-bench", "max_seq_len=16",
+         "max_context_len=32"], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # see test_interrupts
+    for line in child.stderr:
+        if "started xnnpack-8da8w" in line:
+            break
+    time.sleep(3)  # the exports are under way
+    child.send_signal(signal.SIGINT)
+    rest = child.stderr.read()
+    assert child.wait(60) == 130, rest
+    assert "edgellm: interrupted; results.json keeps the exports done" in rest
+
+    def exports_running():
+        found = []
+        for proc in Path("/proc").iterdir():
+            try:
+                if str(out) in (proc / "cmdline").read_text():
+                    found.append(proc.name)
+            except OSError:
+                continue
+        return found
+    deadline = time.time() + 30
+    while exports_running():
+        assert time.time() < deadline, "the sweep's exports went on after it was interrupted"
+        time.sleep(0.2)
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".xnnpack-")]
+    assert not (out / "xnnpack-fp32").exists() and not (out / "xnnpack-8da8w").exists()
