@@ -82,8 +82,9 @@ def table(columns: list[str], rows: list[list], *, sortable: bool = True, ident:
     """An HTML table; a cell is a value, or (text, value) to sort by value, or (html, value, True)
     for markup. Numbers are right-aligned."""
     head = "".join(f"<th>{esc(c)}</th>" for c in columns)
-    out = [f'<table{f" id={chr(34)}{esc(ident)}{chr(34)}" if ident else ""}'
-           f'{" class=sortable" if sortable else ""}><thead><tr>{head}</tr></thead><tbody>']
+    attributes = (f' id="{esc(ident)}"' if ident else "") + (' class="sortable"' if sortable
+                                                             else "")
+    out = [f"<table{attributes}><thead><tr>{head}</tr></thead><tbody>"]
     for row in rows:
         cells = []
         for cell in row:

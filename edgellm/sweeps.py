@@ -97,15 +97,20 @@ def plan(model, backends: list[str], recipes: list[str], output: Path,
         raise InputError(f"backends: {', '.join(unknown)} not one of {', '.join(BACKENDS)} (a "
                          "sweep exports to each backend alone)")
     options = {r: recipe_options(r) for r in recipes}
+    path = model_path(model).resolve()
+    if not path.exists():
+        raise InputError(f"model: {model} not found")
     inputs, params = fingerprint(model, overrides), parameter_count(model)
     jobs, skipped = [], []
     for backend in backends:
+        common = {k: v for k, v in overrides.items() if k not in BACKENDS or k == backend}
+        # what every export takes, refused at once (not as every pair left out)
+        from_dict({**common, "backends": [backend], "model": str(path) if model else None})
         for recipe in recipes:
             name = f"{backend}-{recipe}"
-            common = {k: v for k, v in overrides.items() if k not in BACKENDS or k == backend}
-            common.update(_precision(BACKENDS[backend], options[recipe], common))
-            data = {**common, **options[recipe], "backends": [backend],
-                    "model": str(model) if model else None, "output": str(output / name)}
+            data = {**common, **_precision(BACKENDS[backend], options[recipe], common),
+                    **options[recipe], "backends": [backend],
+                    "model": str(path) if model else None, "output": str(output / name)}
             try:
                 cfg = from_dict(data)
             except ConfigError as e:
@@ -113,7 +118,7 @@ def plan(model, backends: list[str], recipes: list[str], output: Path,
                 continue
             text = dump_yaml(cfg)
             keyed = json.dumps([re.sub(r"(?m)^output: .*$", "", text), inputs, versions()])
-            jobs.append(Job(name, str(model_path(model).resolve()), backend, recipe, text,
+            jobs.append(Job(name, str(path), backend, recipe, text,
                             hashlib.sha256(keyed.encode()).hexdigest(),
                             estimate_mb(params, backend, cfg), BACKENDS[backend].runs_here))
     return jobs, skipped

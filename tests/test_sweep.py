@@ -61,6 +61,10 @@ def test_plan_leaves_out_what_a_backend_refuses_and_keys_on_inputs(tiny_models, 
     assert not {j.key for j in changed} & {j.key for j in jobs}
     wider, _ = plan(folder, ["xnnpack"], ["fp32"], tmp_path / "o", {**SIZES, "max_seq_len": 8})
     assert wider[0].key != jobs[0].key
+    with pytest.raises(InputError, match="unknown key 'max_seq_lne'. Did you mean 'max_seq_len'"):
+        plan(folder, ["xnnpack"], ["fp32"], tmp_path / "o", {"max_seq_lne": 8})
+    with pytest.raises(InputError, match=f"model: {tmp_path / 'nothing'} not found"):
+        plan(tmp_path / "nothing", ["xnnpack"], ["fp32"], tmp_path / "o", {})
 
 
 @pytest.fixture(scope="module")
