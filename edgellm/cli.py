@@ -202,6 +202,7 @@ def cmd_bench(a) -> int:
 def cmd_sweep(a) -> int:
     from . import sweep
     from .config import apply_overrides
+    from .sweeps import summary_table
 
     models = [x for x in a.args if "=" not in x]
     if len(models) > 1:
@@ -212,6 +213,7 @@ def cmd_sweep(a) -> int:
     rows = sweep(models[0] if models else None, backends=a.backends, recipes=a.recipes,
                  output=a.output, workers=a.workers, ray=a.ray, bench=a.bench, quiet=a.quiet,
                  **overrides)
+    print(summary_table(rows))
     bad = [r["name"] for r in rows if r["status"] != "ok"]
     if bad:
         print(f"edgellm: {len(bad)} of {len(rows)} exports not ok ({', '.join(bad)}): their "

@@ -439,6 +439,22 @@ def describe(row: dict) -> str:
             + f", {row['export_s']} s, peak {row['peak_rss_mb']} MB")
 
 
+def summary_table(rows: list[dict]) -> str:
+    """The rows as a terminal table: what `edgellm sweep` prints when it ends."""
+    head = ("export", "status", "MB", "SQNR dB", "top-1", "perplexity", "decode tok/s", "export s")
+    lines = []
+    for r in rows:
+        acc, speed = r.get("accuracy") or {}, r.get("speed") or {}
+        cells = (r["name"], r["status"], r.get("pte_bytes") and r["pte_bytes"] / 1e6,
+                 acc.get("sqnr_db"), acc.get("text_top1"), acc.get("perplexity"),
+                 speed.get("decode_tok_s"), r.get("export_s"))
+        lines.append(["" if c is None else f"{c:.4g}" if isinstance(c, float) else str(c)
+                      for c in cells])
+    widths = [max(len(x) for x in column) for column in zip(head, *lines)]
+    return "\n".join("  ".join(x.ljust(w) for x, w in zip(line, widths)).rstrip()
+                     for line in [list(head), *lines])
+
+
 def describe_speed(speed: dict) -> str:
     if "bench_error" in speed:
         return f"FAILED: {speed['bench_error']}"

@@ -305,3 +305,19 @@ def test_ctrl_c_stops_a_sweep_and_the_exports_it_started(tiny_models, tmp_path):
         time.sleep(0.2)
     assert not [p.name for p in out.iterdir() if p.name.startswith(".xnnpack-")]
     assert not (out / "xnnpack-fp32").exists() and not (out / "xnnpack-8da8w").exists()
+
+
+def test_the_cli_prints_the_rows_and_fails_when_an_export_did(swept, tiny_models, tmp_path, capsys):
+    from edgellm.cli import main
+
+    out = tmp_path / "cli"
+    shutil.copytree(swept[0], out)
+    model, sizes = str(tiny_models["llama"][0]), [f"{k}={v}" for k, v in SIZES.items()]
+    assert main(["sweep", model, "--recipes", "fp32,8da8w", "-o", str(out), *sizes]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["export", "status", "MB", "SQNR", "dB", "top-1", "perplexity",
+                                "decode", "tok/s", "export", "s"]
+    assert [line.split()[:2] for line in lines[1:]] == [["xnnpack-fp32", "ok"],
+                                                        ["xnnpack-8da8w", "ok"]]
+    assert main(["sweep", model, "--recipes", f"fp32,{FAILING}", "-o", str(out), *sizes]) == 1
+    assert f"1 of 2 exports not ok ({FAILING_NAME})" in capsys.readouterr().err
