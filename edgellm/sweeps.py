@@ -351,6 +351,11 @@ def sweep(model=None, *, backends, recipes, output, workers: int | None = None,
 
     say(f"{len(jobs)} exports: {len(rows)} done before, {len(todo)} to run"
         + ("" if not todo or ray else f", {_at_once(todo, workers)} at once at most here"))
+    have = None if ray else available_mb()
+    for job in todo:
+        if have and job.estimate_mb > have * MEMORY_SHARE:
+            say(f"{job.name}: its estimated peak, {job.estimate_mb} MB, is above the "
+                f"{have * MEMORY_SHARE:.0f} MB this machine has for the sweep; it runs alone")
     started, runner = time.perf_counter(), None
     try:
         if todo:
@@ -462,10 +467,15 @@ def describe_speed(speed: dict) -> str:
             "tok/s")
 
 
-def _at_once(jobs: list[Job], workers: int | None) -> int:
+def available_mb() -> int | None:
     from .memory import available_bytes
 
-    have = (available_bytes() or 0) // 2**20
+    have = available_bytes()
+    return have // 2**20 if have else None
+
+
+def _at_once(jobs: list[Job], workers: int | None) -> int:
+    have = available_mb()
     largest = max(j.estimate_mb for j in jobs)
     by_memory = max(1, int(have * MEMORY_SHARE) // largest) if have else 1
     return max(1, min(workers or os.cpu_count() or 1, by_memory, len(jobs)))
@@ -488,9 +498,7 @@ class _local_runner:
     def exports(self, jobs: list[Job], output: str, say):
         from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
-        from .memory import available_bytes
-
-        budget = int((available_bytes() or 0) / 2**20 * MEMORY_SHARE) or None
+        budget = int((available_mb() or 0) * MEMORY_SHARE) or None
         pending, running = list(jobs), {}
         with ThreadPoolExecutor(self.workers) as pool, _interrupting_children():
             while pending or running:

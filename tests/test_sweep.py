@@ -108,14 +108,20 @@ FAILING_NAME = f"xnnpack-{FAILING}"
 
 
 def test_a_second_sweep_redoes_only_the_failed_export_and_keeps_the_other_rows(
-        swept, tiny_models, tmp_path, capsys):
+        swept, tiny_models, tmp_path, capsys, monkeypatch):
+    import edgellm.sweeps
+
+    monkeypatch.setattr(edgellm.sweeps, "available_mb", lambda: 1000)  # below any estimate
     out = tmp_path / "again"  # a copy: other tests read the shared sweep
     shutil.copytree(swept[0], out)
     rows = swept[1]
     logs = {r["name"]: (out / "logs" / f"{r['name']}.log").stat().st_mtime_ns for r in rows}
     again = edgellm.sweep(tiny_models["llama"][0], backends="xnnpack",
                           recipes=[RECIPES[0], FAILING], output=out, **SIZES)
-    assert "2 exports: 1 done before, 1 to run" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "2 exports: 1 done before, 1 to run, 1 at once at most here" in err
+    assert (f"{FAILING_NAME}: its estimated peak, 1000 MB, is above the 900 MB this machine has "
+            "for the sweep; it runs alone") in err
     assert again[0] == rows[0] and again[1]["status"] == "failed"
     after = {r["name"]: (out / "logs" / f"{r['name']}.log").stat().st_mtime_ns for r in rows}
     assert [n for n in logs if logs[n] != after[n]] == [FAILING_NAME]
