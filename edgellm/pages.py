@@ -114,7 +114,8 @@ def bars(names: list[str], series: dict[str, list], title: str, *, horizontal: b
     layout = {"title": {"text": title}, "barmode": "stack" if stacked else "group",
               "margin": {"l": 170 if horizontal else 60, "r": 20, "t": 50, "b": 60},
               "legend": {"orientation": "h"}}
-    if horizontal:
+    if horizontal:  # the legend above the plot, clear of the x axis' title
+        layout["legend"].update(y=1.02, yanchor="bottom", x=1, xanchor="right")
         layout["yaxis"] = {"automargin": True, "autorange": "reversed"}
         layout["xaxis"] = {"title": {"text": yaxis}}
     else:

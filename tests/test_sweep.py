@@ -109,25 +109,34 @@ FAILING_NAME = f"xnnpack-{FAILING}"
 
 def test_a_second_sweep_redoes_only_the_failed_export_and_keeps_the_other_rows(
         swept, tiny_models, tmp_path, capsys, monkeypatch):
+    """Through the CLI: its table of the rows, and exit 1 for the export that failed again."""
     import edgellm.sweeps
+    from edgellm.cli import main
 
     monkeypatch.setattr(edgellm.sweeps, "available_mb", lambda: 1000)  # below any estimate
     out = tmp_path / "again"  # a copy: other tests read the shared sweep
     shutil.copytree(swept[0], out)
     rows = swept[1]
     logs = {r["name"]: (out / "logs" / f"{r['name']}.log").stat().st_mtime_ns for r in rows}
-    again = edgellm.sweep(tiny_models["llama"][0], backends="xnnpack",
-                          recipes=[RECIPES[0], FAILING], output=out, **SIZES)
-    err = capsys.readouterr().err
-    assert "2 exports: 1 done before, 1 to run, 1 at once at most here" in err
+    sizes = [f"{k}={v}" for k, v in SIZES.items()]
+    assert main(["sweep", str(tiny_models["llama"][0]), "--recipes", f"{RECIPES[0]},{FAILING}",
+                 "-o", str(out), *sizes]) == 1
+    captured = capsys.readouterr()
+    assert "2 exports: 1 done before, 1 to run, 1 at once at most here" in captured.err
     assert (f"{FAILING_NAME}: its estimated peak, 1000 MB, is above the 900 MB this machine has "
-            "for the sweep; it runs alone") in err
-    assert again[0] == rows[0] and again[1]["status"] == "failed"
+            "for the sweep; it runs alone") in captured.err
+    assert f"1 of 2 exports not ok ({FAILING_NAME})" in captured.err
+    lines = captured.out.splitlines()
+    assert lines[0].split() == ["export", "status", "MB", "SQNR", "dB", "top-1", "perplexity",
+                                "decode", "tok/s", "export", "s"]
+    assert [line.split()[:2] for line in lines[1:]] == [["xnnpack-fp32", "ok"],
+                                                        [FAILING_NAME, "failed"]]
     after = {r["name"]: (out / "logs" / f"{r['name']}.log").stat().st_mtime_ns for r in rows}
     assert [n for n in logs if logs[n] != after[n]] == [FAILING_NAME]
-    # the rows of the first sweep's other recipes stay in the folder's table
-    assert [r["name"] for r in load_rows(out)] == [rows[0]["name"], FAILING_NAME,
-                                                   rows[1]["name"], rows[2]["name"]]
+    again = load_rows(out)  # the rows of the first sweep's other recipes stay in the table
+    assert again[0] == rows[0] and again[1]["status"] == "failed"
+    assert [r["name"] for r in again] == [rows[0]["name"], FAILING_NAME, rows[1]["name"],
+                                          rows[2]["name"]]
 
 
 def test_a_sweep_on_a_local_ray_cluster_gives_the_same_rows(swept, tiny_models, tmp_path):
@@ -311,19 +320,3 @@ def test_ctrl_c_stops_a_sweep_and_the_exports_it_started(tiny_models, tmp_path):
         time.sleep(0.2)
     assert not [p.name for p in out.iterdir() if p.name.startswith(".xnnpack-")]
     assert not (out / "xnnpack-fp32").exists() and not (out / "xnnpack-8da8w").exists()
-
-
-def test_the_cli_prints_the_rows_and_fails_when_an_export_did(swept, tiny_models, tmp_path, capsys):
-    from edgellm.cli import main
-
-    out = tmp_path / "cli"
-    shutil.copytree(swept[0], out)
-    model, sizes = str(tiny_models["llama"][0]), [f"{k}={v}" for k, v in SIZES.items()]
-    assert main(["sweep", model, "--recipes", "fp32,8da8w", "-o", str(out), *sizes]) == 0
-    lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split() == ["export", "status", "MB", "SQNR", "dB", "top-1", "perplexity",
-                                "decode", "tok/s", "export", "s"]
-    assert [line.split()[:2] for line in lines[1:]] == [["xnnpack-fp32", "ok"],
-                                                        ["xnnpack-8da8w", "ok"]]
-    assert main(["sweep", model, "--recipes", f"fp32,{FAILING}", "-o", str(out), *sizes]) == 1
-    assert f"1 of 2 exports not ok ({FAILING_NAME})" in capsys.readouterr().err
