@@ -58,15 +58,20 @@ def cmd_export(a) -> int:
     from . import export
     from .report import summary
 
-    models = [x for x in a.args if "=" not in x]
-    overrides = [x for x in a.args if "=" in x]
-    if len(models) > 1:
-        raise_input(f"give at most one MODEL, got {len(models)}: {' '.join(models)}")
+    model, overrides = model_and_overrides(a.args)
     options = {f.name: getattr(a, f.name) for f in export_options()}
-    report = export(models[0] if models else None, config=a.config, overrides=overrides,
+    report = export(model, config=a.config, overrides=overrides,
                     quiet=a.quiet or a.json, **options)
     print(json.dumps(report) if a.json else summary(report))
     return 0
+
+
+def model_and_overrides(args: list[str]) -> tuple[str | None, list[str]]:
+    """MODEL (at most one) and the key=value overrides among a command's positionals."""
+    models = [x for x in args if "=" not in x]
+    if len(models) > 1:
+        raise_input(f"give at most one MODEL, got {len(models)}: {' '.join(models)}")
+    return (models[0] if models else None), [x for x in args if "=" in x]
 
 
 def sampling_flags(parser) -> None:
@@ -204,13 +209,11 @@ def cmd_sweep(a) -> int:
     from .config import apply_overrides
     from .sweeps import summary_table
 
-    models = [x for x in a.args if "=" not in x]
-    if len(models) > 1:
-        raise_input(f"give at most one MODEL, got {len(models)}: {' '.join(models)}")
-    overrides = apply_overrides({}, [x for x in a.args if "=" in x])
+    model, pairs = model_and_overrides(a.args)
+    overrides = apply_overrides({}, pairs)
     if a.max_seq_len is not None:
         overrides["max_seq_len"] = a.max_seq_len
-    rows = sweep(models[0] if models else None, backends=a.backends, recipes=a.recipes,
+    rows = sweep(model, backends=a.backends, recipes=a.recipes,
                  output=a.output, workers=a.workers, ray=a.ray, bench=a.bench, quiet=a.quiet,
                  **overrides)
     print(summary_table(rows))

@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import re
 import signal
@@ -100,7 +101,7 @@ def plan(model, backends: list[str], recipes: list[str], output: Path,
     path = model_path(model).resolve()
     if not path.exists():
         raise InputError(f"model: {model} not found")
-    inputs, params = fingerprint(model, overrides), parameter_count(model)
+    inputs, params, libraries = fingerprint(model, overrides), parameter_count(model), versions()
     jobs, skipped = [], []
     for backend in backends:
         common = {k: v for k, v in overrides.items() if k not in BACKENDS or k == backend}
@@ -117,7 +118,7 @@ def plan(model, backends: list[str], recipes: list[str], output: Path,
                 skipped.append(f"{name}: {'; '.join(e.problems)}")
                 continue
             text = dump_yaml(cfg)
-            keyed = json.dumps([re.sub(r"(?m)^output: .*$", "", text), inputs, versions()])
+            keyed = json.dumps([re.sub(r"(?m)^output: .*$", "", text), inputs, libraries])
             jobs.append(Job(name, str(path), backend, recipe, text,
                             hashlib.sha256(keyed.encode()).hexdigest(),
                             estimate_mb(params, backend, cfg), BACKENDS[backend].runs_here))
@@ -174,19 +175,12 @@ def parameter_count(model) -> int:
         for file in path.glob("*.safetensors"):
             with open(file, "rb") as f:
                 header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-            count += sum(_prod(t["shape"]) for k, t in header.items() if k != "__metadata__")
+            count += sum(math.prod(t["shape"]) for k, t in header.items() if k != "__metadata__")
         return count
     import torch
 
     state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
     return sum(t.numel() for t in state.values() if hasattr(t, "numel"))
-
-
-def _prod(shape) -> int:
-    out = 1
-    for n in shape:
-        out *= n
-    return out
 
 
 BASE_MB = 1000  # torch, ExecuTorch and transformers imported, before any weight
@@ -413,16 +407,11 @@ CSV_COLUMNS = ("name", "backend", "recipe", "status", "pte_bytes", "accuracy.sqn
                "peak_rss_mb", "estimated_peak_mb", "host", "error")
 
 
-def field(row: dict, dotted: str):
-    value = row
-    for part in dotted.split("."):
-        value = value.get(part) if isinstance(value, dict) else None
-    return value
-
-
 def csv_text(rows: list[dict]) -> str:
     import csv
     import io
+
+    from .pages import value as field
 
     buf = io.StringIO()
     writer = csv.writer(buf, lineterminator="\n")

@@ -139,11 +139,13 @@ def test_a_second_sweep_redoes_only_the_failed_export_and_keeps_the_other_rows(
                                           rows[2]["name"]]
 
 
-def test_a_sweep_on_a_local_ray_cluster_gives_the_same_rows(swept, tiny_models, tmp_path):
+def test_a_sweep_on_a_local_ray_cluster_gives_the_same_rows(swept, tiny_models, tmp_path,
+                                                            capsys):
     out, rows = swept
     ray_rows = edgellm.sweep(tiny_models["llama"][0], backends="xnnpack", recipes=RECIPES,
-                             output=tmp_path / "ray", ray="local", bench=False, quiet=True,
-                             **SIZES)
+                             output=tmp_path / "ray", ray="local", bench=False, **SIZES)
+    cpus = os.cpu_count()
+    assert f"3 tasks submitted to Ray ({cpus} CPUs in the cluster)" in capsys.readouterr().err
     same = ("name", "backend", "recipe", "status", "key", "pte_bytes", "accuracy", "error")
     assert [{k: r[k] for k in same} for r in ray_rows] == [{k: r[k] for k in same}
                                                            for r in rows[:3]]
