@@ -5,6 +5,7 @@ import json
 import shutil
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 
 from edgellm.cli import main
@@ -60,6 +61,40 @@ def truncated_gguf(folder, tmp_path):
     return [str(path)]
 
 
+def gguf_with(folder, tmp_path, kind=None, type_id=None):
+    """The tiny model's GGUF with its output norm stored as `kind` (a gguf type), or with that
+    tensor's type id in the table replaced by `type_id` (one gguf does not know)."""
+    import gguf
+    import numpy as np
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from test_sources import write_gguf
+
+    path = tmp_path / "model.gguf"
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
+    norm = model.state_dict()["model.norm.weight"]
+    stored = {"model.norm.weight": (norm.to(torch.int8).numpy(), kind)} if kind else None
+    write_gguf(model, folder / "tokenizer.json", path, stored)
+    if type_id is not None:  # name, n_dims (u32), dims (u64 each), then the type (u32)
+        data = bytearray(path.read_bytes())
+        at = data.index(b"output_norm.weight") + len(b"output_norm.weight")
+        dims = int.from_bytes(data[at:at + 4], "little")
+        at += 4 + 8 * dims
+        data[at:at + 4] = type_id.to_bytes(4, "little")
+        path.write_bytes(bytes(data))
+    return [str(path)]
+
+
+def gguf_of_a_type_gguf_cannot_dequantize(folder, tmp_path):
+    import gguf
+
+    return gguf_with(folder, tmp_path, kind=gguf.GGMLQuantizationType.I8)
+
+
+def gguf_of_an_unknown_type(folder, tmp_path):
+    return gguf_with(folder, tmp_path, type_id=77)
+
+
 def unreadable_tokenizer(folder, tmp_path):
     path = tmp_path / "tokenizer.json"
     path.write_text("{not json")
@@ -93,9 +128,15 @@ CASES = [
                                 r"\(64, 63\) \(expected \(64, 64\)\)"),
     ("llama", shard_outside_the_folder, r"model\.safetensors\.index\.json names shards outside the "
                                         r"folder: \['\.\./\.\./etc/passwd'\]"),
-    ("llama", corrupt_gguf, r"model\.gguf is not a readable GGUF file \(.*\)\. It may be truncated"),
-    ("llama", truncated_gguf, r"model\.gguf is not a readable GGUF file \(ValueError: tensor "
-                              r"[a-z_.0-9]+ ends past the end of the file\)\. It may be truncated"),
+    ("llama", corrupt_gguf, r"model\.gguf is not a readable GGUF file \(.*\)\. It is damaged or "
+                            r"not a GGUF file"),
+    ("llama", truncated_gguf, r"model\.gguf is truncated: its tensor table puts [a-z_.0-9]+ up to "
+                              r"byte [0-9,]+, and the file holds [0-9,]+ bytes"),
+    ("llama", gguf_of_a_type_gguf_cannot_dequantize,
+     r"model\.gguf stores tensors in types that the installed gguf \S+ cannot dequantize \(I8: "
+     r"output_norm\.weight\); llama\.cpp's runtime reads them"),
+    ("llama", gguf_of_an_unknown_type, r"model\.gguf: tensor output_norm\.weight is stored as ggml "
+                                       r"type 77, which the installed gguf \S+ does not know"),
     ("llama", unreadable_tokenizer, r"tokenizer\.json is not a readable tokenizer\.json"),
     ("llama", broken_tokenizer_in_folder, r"model/tokenizer\.json is not a readable "
                                           r"tokenizer\.json"),

@@ -1,20 +1,20 @@
 """GGUF files as llama.cpp's converter writes them, for the architectures that declare how it
-does (`registry.GgufLayout`; any other is refused by name from the metadata alone). The file's
-metadata and tensor table are read once with transformers' GGUF reader (which walks the
-vocabulary only when the tokenizer is converted); the config is rebuilt from the metadata
-through transformers' GGUF builder or key table for the architecture (the common keys and the
-layout's where it has none), then the layout's `fix` restores what llama.cpp keeps in code or in
-tensors, and Llama 3's `rope_freqs` become LongRoPE factors; weights are dequantized by `gguf`
-(llama.cpp's own Python package), named by its tensor name map, with what the converter did
-undone by transformers' tensor processors (q/k row permutation where the layout says so,
-Gemma's norms stored as 1 + w, LFM2's squeezed kernels). Each weight's storage type (`Q4_1`,
-`Q8_0`, ...) is kept: 4-bit recipes read it to keep the file's own grids and precision choices
+does (`registry.GgufLayout`; any other is refused by name from the metadata alone). The file is
+read with `gguf`'s own `GGUFReader` (llama.cpp's Python package: header, metadata and tensor
+table, every type it knows) and its tensors dequantized by `gguf.quants`, so any type llama.cpp
+writes and `gguf` reads loads; a tensor of a type `gguf` cannot dequantize is named, with its
+type, before anything is built. The config is rebuilt from the metadata through transformers'
+GGUF builder or key table for the architecture (the common keys and the layout's where it has
+none), then the layout's `fix` restores what llama.cpp keeps in code or in tensors, and Llama 3's
+`rope_freqs` become LongRoPE factors; weights are named by gguf's tensor name map, with what the
+converter did undone by transformers' tensor processors (q/k row permutation where the layout
+says so, Gemma's norms stored as 1 + w, LFM2's squeezed kernels). Each weight's storage type
+(`Q4_1`, `Q8_0`, ...) is kept: recipes read it to keep the file's own grids and precision choices
 (quantize/plan.py, quantize/grid.py)."""
 
 from __future__ import annotations
 
 import functools
-import math
 import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -47,30 +47,31 @@ def _pre_tokenizer_fix(kind: str):
 
 
 def _unreadable(path: Path, e: Exception) -> InputError:
-    return InputError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e}). It may be "
-                      "truncated or of an unsupported GGUF version: download it again.")
+    return InputError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e}). It is "
+                      "damaged or not a GGUF file: download it again.")
+
+
+def _truncated(path: Path, name: str, end: int, size: int) -> InputError:
+    return InputError(f"{path} is truncated: its tensor table puts {name} up to byte {end:,}, and "
+                      f"the file holds {size:,} bytes. Download it again.")
 
 
 def load_gguf(path: Path) -> Source:
-    import struct
-
     from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.integrations.gguf import GgufHeader, read_gguf_metadata
 
     from ..architectures.registry import for_gguf
 
-    try:
-        metadata, names = read_gguf_metadata(str(path))
-        header = GgufHeader.from_file(str(path))
-        blob = np.memmap(path, mode="r", dtype=np.uint8)
-    except (ValueError, KeyError, IndexError, OSError, EOFError, UnicodeDecodeError,
-            struct.error) as e:
-        raise _unreadable(path, e) from None
+    reader = _reader(path)
+    metadata = _metadata(reader)
+    if "general.architecture" not in metadata:
+        raise InputError(f"{path} has no general.architecture key: it was not written by "
+                         "llama.cpp's converter, or is damaged.")
     arch = metadata["general.architecture"]
     found = for_gguf(arch, path)  # refused by name before anything else is read
     layout = found.gguf
-    tensors = {info.name: info for info in header.tensors}
-    values = functools.partial(_values, path, blob, header.data_start, tensors)
+    tensors = {info.name: info for info in reader.tensors}
+    names = tuple(tensors)
+    values = functools.partial(_values, path, tensors)
     try:
         raw = _config(found, metadata, names, values)
     except KeyError as e:
@@ -87,15 +88,15 @@ def load_gguf(path: Path) -> Source:
         return _tensor(np.asarray(processor.process(weights=values(name), name=name).weights,
                                   dtype=np.float32))
 
-    for hf_name, experts in _stacked_experts(path, arch, cfg, skeleton, tensors,
-                                             functools.partial(_expert_values, path, blob,
-                                                               header.data_start, tensors)):
-        state[hf_name] = experts
     wanted = [name for name in names if name in hf_names]
+    _readable(path, tensors, wanted + [n for n in names if any(t in n for t in EXPERT_TENSORS)])
+    for hf_name, experts in _stacked_experts(path, arch, cfg, skeleton, tensors,
+                                             functools.partial(_expert_values, path, tensors)):
+        state[hf_name] = experts
     with ThreadPoolExecutor(os.cpu_count() or 1) as pool:  # numpy lets go of the GIL
         for name, tensor in zip(wanted, pool.map(weight, wanted)):
             state[hf_names[name]] = tensor
-            stored[hf_names[name]] = _type_name(tensors[name].ggml_type)
+            stored[hf_names[name]] = tensors[name].tensor_type.name
     converted = functools.cache(functools.partial(_tokenizer, path,
                                                   metadata.get("tokenizer.ggml.pre") or ""))
 
@@ -113,39 +114,114 @@ def load_gguf(path: Path) -> Source:
                   stored_types=stored)
 
 
-def _values(path: Path, blob: np.ndarray, data_start: int, tensors: dict, name: str) -> np.ndarray:
+def _reader(path: Path):
+    """`gguf.GGUFReader` of the file, which checks each tensor against the file's size and
+    gguf's types before mapping it, so a cut file or an unknown type is named as such. The mapped
+    file is held as a plain array: numpy's memmap subclass pays per slice, and the reader takes
+    a slice or two per string of the vocabulary."""
+    import gguf
+
+    class Reader(gguf.GGUFReader):
+        @property
+        def data(self) -> np.ndarray:
+            return self._mapped
+
+        @data.setter
+        def data(self, mapped: np.memmap) -> None:
+            self._mapped = mapped.view(np.ndarray)  # still the mapped file's pages
+
+        def _build_tensors(self, start_offs, fields):  # gguf's own, after the checks
+            for field in fields:
+                _, name, _, dims, kind, offset = field.parts
+                name = bytes(name).decode("utf-8", "replace")
+                if int(kind[0]) not in gguf.GGMLQuantizationType._value2member_map_:
+                    raise InputError(
+                        f"{path}: tensor {name} is stored as ggml type {int(kind[0])}, which the "
+                        f"installed gguf {_version('gguf')} does not know (llama.cpp may be "
+                        "newer than it): upgrade gguf (pip install -U gguf), or requantize the "
+                        "file to a known type with llama.cpp's llama-quantize.")
+                block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(int(kind[0]))]
+                end = int(start_offs + offset[0]) + int(np.prod(dims)) * size // block
+                if end > len(self.data):
+                    raise _truncated(path, name, end, len(self.data))
+            super()._build_tensors(start_offs, fields)
+
+    try:
+        return Reader(path)
+    except InputError:
+        raise
+    except (ValueError, KeyError, IndexError, OSError, EOFError, UnicodeDecodeError) as e:
+        raise _unreadable(path, e) from None
+
+
+def _metadata(reader) -> dict:
+    """The file's metadata as transformers' GGUF builders take it: values, lists of numbers, and
+    arrays of strings (the vocabulary, merges) as their length (read when the tokenizer is)."""
+    from gguf import GGUFValueType
+
+    out = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        if field.types[:1] == [GGUFValueType.ARRAY] and field.types[-1] == GGUFValueType.STRING:
+            out[key] = len(field.data)
+        else:
+            out[key] = field.contents()
+    return out
+
+
+def _version(package: str) -> str:
+    from importlib.metadata import version
+
+    return version(package)
+
+
+def _readable(path: Path, tensors: dict, wanted) -> None:
+    """InputError naming every tensor of `wanted` whose type gguf cannot dequantize."""
+    import gguf
+
+    unread = {}
+    for name in wanted:
+        kind = tensors[name].tensor_type
+        if kind not in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16) and \
+                getattr(gguf.quants, kind.name, None) is None:
+            unread.setdefault(kind.name, []).append(name)
+    if unread:
+        listed = "; ".join(f"{kind}: {', '.join(names[:3])}{' ...' if len(names) > 3 else ''}"
+                           for kind, names in unread.items())
+        raise InputError(f"{path} stores tensors in types that the installed gguf "
+                         f"{_version('gguf')} cannot dequantize ({listed}); llama.cpp's runtime "
+                         "reads them, edgellm reads what gguf does. Requantize the file with "
+                         "llama.cpp's llama-quantize to a type such as Q4_K_M or Q8_0.")
+
+
+def _values(path: Path, tensors: dict, name: str) -> np.ndarray:
     """One tensor of the mapped file as float32, dequantized by gguf, in torch's shape."""
     info = tensors[name]
-    return _decode(path, name, blob, data_start + info.offset, info.nbytes, info.ggml_type,
-                   tuple(info.shape))
+    return _decode(info.data, info.tensor_type, _shape(info))
 
 
-def _expert_values(path: Path, blob: np.ndarray, data_start: int, tensors: dict, name: str,
-                   expert: int) -> np.ndarray:
+def _expert_values(path: Path, tensors: dict, name: str, expert: int) -> np.ndarray:
     """One expert's slice (E, ...) -> (...) of a stacked experts tensor, as `_values` gives a
     whole tensor: llama.cpp stores the experts one after another, each whole rows."""
     info = tensors[name]
-    size = info.nbytes // info.shape[0]
-    return _decode(path, f"{name}[{expert}]", blob, data_start + info.offset + expert * size,
-                   size, info.ggml_type, tuple(info.shape[1:]))
+    return _decode(info.data[expert], info.tensor_type, _shape(info)[1:])
 
 
-def _decode(path: Path, name: str, blob: np.ndarray, start: int, size: int, ggml_type: int,
-            shape: tuple) -> np.ndarray:
+def _shape(info) -> tuple:
+    return tuple(reversed([int(d) for d in info.shape]))  # ggml's order is fastest first
+
+
+def _decode(data: np.ndarray, kind, shape: tuple) -> np.ndarray:
+    """gguf's reader maps F32 and F16 as values and every other type as rows of bytes."""
     import gguf
 
-    data, kind = blob[start:start + size], gguf.GGMLQuantizationType(ggml_type)
-    if data.size < size:
-        raise _unreadable(path, ValueError(f"tensor {name} ends past the end of the file"))
     if kind == gguf.GGMLQuantizationType.F32:
-        out = data.view(np.float32)
+        out = data
     elif kind == gguf.GGMLQuantizationType.F16:
-        out = data.view(np.float16).astype(np.float32)
+        out = data.astype(np.float32)
     else:
-        out = _dequantize(data.reshape(-1, size // _rows(shape)), kind)
-    if out.size != math.prod(shape):
-        raise _unreadable(path, ValueError(f"tensor {name} holds {out.size} values for shape "
-                                           f"{shape}"))
+        out = _dequantize(data.reshape(-1, data.shape[-1]), kind)
     return out.reshape(shape)
 
 
@@ -200,16 +276,6 @@ def _tokenizer(path: Path, pre: str):
     if fix is not None:
         tokenizer.backend_tokenizer.pre_tokenizer = fix
     return tokenizer
-
-
-def _rows(shape: tuple) -> int:
-    return math.prod(shape[:-1]) if len(shape) > 1 else 1
-
-
-def _type_name(ggml_type: int) -> str:
-    import gguf
-
-    return gguf.GGMLQuantizationType(ggml_type).name
 
 
 def _config(found, metadata: dict, names: tuple, values) -> dict:
@@ -317,11 +383,11 @@ def _stacked_experts(path: Path, arch: str, cfg, skeleton, tensors: dict, expert
         if missing:
             raise InputError(f"{path} lacks {', '.join(missing)}: its config has experts in that "
                              "layer. The file is damaged or was written by another tool.")
-        e, f, d = tensors[gate].shape
+        e, f, d = _shape(tensors[gate])
         yield hf_name[:-len("down_proj")] + "gate_up_proj", Deferred(
             (e, 2 * f, d), torch.float32, lambda x, g=gate, u=up: _tensor(
                 np.concatenate([expert(g, x), expert(u, x)])))
-        yield hf_name, Deferred(tuple(tensors[down].shape), torch.float32,
+        yield hf_name, Deferred(_shape(tensors[down]), torch.float32,
                                 lambda x, n=down: _tensor(expert(n, x)))
 
 
