@@ -93,3 +93,28 @@ def test_nothing_in_sources_names_an_architecture():
             elif isinstance(node, ast.Name) and node.id.lower() in names:
                 found.append(f"{path.name}:{node.lineno}: {node.id}")
     assert found == []
+
+
+def test_the_installed_versions_are_the_ones_the_suite_passed_with():
+    """run.sh installs with constraints.txt: every package it pins is installed at that version,
+    so a fresh clone tests (and a user runs) what the suite last passed with, not whatever
+    release of transformers, gguf or torchao is newest that day."""
+    from importlib.metadata import PackageNotFoundError, version
+    from pathlib import Path
+
+    pins = [line.split("==") for line in
+            (Path(__file__).parents[1] / "constraints.txt").read_text().splitlines()
+            if line and not line.startswith("#")]
+    assert {"torch", "executorch", "transformers", "gguf", "torchao", "tokenizers"} <= {
+        name.lower() for name, _ in pins}
+    moved = []
+    for name, pinned in pins:
+        try:
+            found = version(name)
+        except PackageNotFoundError:
+            continue  # an extra's package this install does not have
+        if found != pinned:
+            moved.append(f"{name} {found} (pinned {pinned})")
+    assert not moved, ("installed versions differ from constraints.txt: " + ", ".join(moved)
+                       + "; run `bash run.sh test` (it installs the pins) or refresh the pins "
+                       "after a green suite")
