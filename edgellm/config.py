@@ -303,7 +303,24 @@ def resolve_config(model=None, *, config=None, overrides=(), **options):
     data.update({k: v for k, v in options.items() if v is not None})
     if model is not None:
         data["model"] = str(model)
-    return from_dict(data)
+    cfg = from_dict(data)
+    if not {"dtype", "quantize", "embedding_quantize", "group_size"} & data.keys():
+        recipe = source_recipe(cfg)
+        if recipe:
+            cfg = from_dict({**data, **recipe})
+    return cfg
+
+
+def source_recipe(cfg: ExportConfig) -> dict:
+    """The fields of the recipe that keeps a quantized file's precision on the chain's first
+    backend (quantize.recipes.file_recipe), for a config that chose no dtype or recipe: a GGUF's
+    default program is as small as the file, not a float one. {} for an unquantized source."""
+    from .backends import get_backend
+    from .quantize.recipes import file_recipe
+    from .sources import storage_kinds
+
+    kinds = storage_kinds(cfg.model)
+    return file_recipe(kinds, get_backend(cfg.backends[0])) if kinds else {}
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

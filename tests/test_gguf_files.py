@@ -3,8 +3,8 @@ family edgellm reads from GGUF, quantized by llama.cpp's own quantizer (bench/gg
 wrote them; manifest.json says with which llama.cpp and what each file holds). Llama comes in
 every file type users download, the other families in Q4_K_M, whose 320-wide down projections
 take llama.cpp's fallbacks (Q5_0, Q8_0) beside its K-quants. Each file reads as transformers
-runs the same dequantized weights; a choice of them exports, verifies and generates
-transformers' greedy tokens."""
+runs the same dequantized weights; a choice of them exports in its own quantization and
+verifies, and a float export generates transformers' greedy tokens."""
 
 import json
 from pathlib import Path
@@ -21,7 +21,7 @@ MANIFEST = json.loads((FIXTURES / "manifest.json").read_text())
 FILES = sorted(MANIFEST["files"])
 LLAMACPP_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K_M", "Q4_K_S", "Q4_K_M",
                   "Q5_K_M", "Q6_K", "IQ4_NL", "IQ4_XS", "F16", "BF16")
-EXPORTED = ("llama-Q4_K_M.gguf", "llama-IQ4_XS.gguf", "llama-BF16.gguf",
+EXPORTED = ("llama-Q4_K_M.gguf", "llama-Q8_0.gguf", "llama-IQ4_XS.gguf", "llama-F16.gguf",
             "gemma3_text-Q4_K_M.gguf", "qwen3_moe-Q4_K_M.gguf")
 
 
@@ -69,9 +69,43 @@ def test_a_llamacpp_file_reads_as_transformers_runs_it(name, prompt_ids):
 
 
 @pytest.mark.parametrize("name", EXPORTED)
-def test_a_llamacpp_file_exports_verifies_and_generates_transformers_tokens(name, tmp_path):
-    """Exported to XNNPACK as a user would (no options), the program passes its verification and
-    its greedy continuation of a prompt is transformers' on the file's dequantized weights."""
+def test_a_llamacpp_file_exports_in_its_own_quantization_and_verifies(name, tmp_path):
+    """Exported as a user would (no options), a quantized file keeps its quantization (its 4-bit
+    types at 4 bits, grids kept where they are 4-bit blocks of 32, its 6- and 8-bit ones at 8)
+    and a float file its dtype; the program is the eager model it was exported from (rewrite
+    and program checks: what the recipe costs against fp32 is measured on real weights, in
+    BENCHMARKS.md), and the report says what each of the file's types became."""
+    from conftest import SIZES
+
+    from edgellm.errors import VerificationError
+
+    try:
+        edgellm.export(FIXTURES / name, output=tmp_path / "out", backends="xnnpack", quiet=True,
+                       **SIZES)
+    except VerificationError:  # read below: what a recipe costs on random weights is no gate
+        pass
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    checks = {c["level"]: c["passed"] for c in report["verify"]["checks"]}
+    assert checks["rewrite"] and checks["program"], report["verify"]
+    kind = MANIFEST["files"][name]["type"]
+    if kind in ("F16", "BF16"):
+        assert report["dtype"] == {"F16": "fp16", "BF16": "bf16"}[kind]
+        assert "quantization" not in report
+        return
+    became = report["quantization"]["from_source"]
+    assert set(became) <= set(MANIFEST["files"][name]["tensors"])
+    for kept in ("Q4_0", "Q4_1", "Q4_K"):
+        assert set(became.get(kept, {})) <= {"4-bit, the file's grid kept", "table float",
+                                             "table 4-bit in groups of 32"}, became
+    for spared in ("Q6_K", "Q8_0"):
+        assert all(to.startswith(("8-bit", "table")) for to in became.get(spared, {})), became
+    for low in ("Q5_0", "Q5_1", "Q5_K", "IQ4_NL", "IQ4_XS", "Q2_K", "Q3_K"):
+        assert all("4-bit" in to for to in became.get(low, {})), became
+
+
+def test_a_float_export_of_a_llamacpp_file_generates_transformers_tokens(tmp_path):
+    """--dtype fp32 asks for the float program: its greedy continuation of a prompt is
+    transformers' on the file's dequantized weights."""
     from tokenizers import Tokenizer
 
     from conftest import PROMPT, SIZES
@@ -80,9 +114,10 @@ def test_a_llamacpp_file_exports_verifies_and_generates_transformers_tokens(name
     from edgellm.runtime import Program, greedy
     from edgellm.verification import transformers_model
 
+    name = "llama-Q4_K_M.gguf"
     report = edgellm.export(FIXTURES / name, output=tmp_path / "out", backends="xnnpack",
-                            quiet=True, **SIZES)
-    assert report["verify"]["passed"], report["verify"]
+                            quiet=True, dtype="fp32", **SIZES)
+    assert report["verify"]["passed"] and "quantization" not in report
     ids = Tokenizer.from_file(str(tmp_path / "out" / "tokenizer.json")).encode(PROMPT).ids[:8]
     source = load_source(str(FIXTURES / name))
     load_deferred(build_model(source.hf_config, source.state_dict, ModelOptions(32),

@@ -170,31 +170,42 @@ def test_gguf_4bit_blocks_are_found_and_rebuilt_exactly(kind, width):
 
 @pytest.mark.parametrize("recipe", ["8da4w", "4w"])
 def test_4bit_recipes_keep_a_gguf_grid_and_what_the_file_spared(recipe):
-    """SmolLM2's GGUF: Q4_1 linears, a Q8_0 embedding the head is tied to. A 4-bit recipe (XNNPACK's
-    8da4w, Core ML's weight-only 4w) defaults to the file's blocks of 32, multiplies by exactly
-    the file's weights, and keeps the Q8_0 tensors at 8 bits even where 4 were asked."""
+    """SmolLM2's GGUF as a separate head sees it: Q4_1 linears, a Q8_0 embedding and head, and a
+    Q4_K_M file's Q5_0 (llama.cpp's stand-in for Q4_K where a row is not a multiple of 256) and
+    Q6_K. A 4-bit recipe (XNNPACK's 8da4w, Core ML's weight-only 4w) defaults to the file's
+    blocks of 32, multiplies by exactly the file's 4-bit weights, takes 4 bits for the Q5_0 one,
+    keeps the Q6_K and Q8_0 linears at 8 bits even where 4 were asked, and gives the table the
+    4 bits asked (the head has its own 8); the report says what each file type became."""
     from torch import nn
 
     model = nn.Module()
     model.embed_tokens = nn.Embedding(100, 64)
     model.q4_1, model.q4_0, model.lm_head = nn.Linear(64, 96), nn.Linear(64, 96), nn.Linear(64, 100)
+    model.q5_0, model.q6_k = nn.Linear(64, 96), nn.Linear(256, 32)
     stored = {"embed_tokens.weight": "Q8_0", "q4_1.weight": "Q4_1", "q4_0.weight": "Q4_0",
-              "lm_head.weight": "Q8_0"}
+              "lm_head.weight": "Q8_0", "q5_0.weight": "Q5_0", "q6_k.weight": "Q6_K"}
     originals = {}
-    for i, name in enumerate(["q4_1", "q4_0", "lm_head"]):
+    for i, name in enumerate(["q4_1", "q4_0", "lm_head", "q5_0"]):
         kind = stored[f"{name}.weight"]
         getattr(model, name).weight.data = originals[name] = gguf_weight(
             getattr(model, name).weight.shape, kind, seed=i)
     done = quantize(model, ExportConfig(quantize=recipe, embedding_quantize="4,32"), stored)
     assert done.report() == {
-        "recipe": recipe, "group_size": 32, "linears_quantized": 3, "linears_left_float": [],
-        "embeddings": "8,0", "embeddings_stored_as": "Q8_0",
-        "linears_on_source_grid": 2, "linears_at_8_bits": ["lm_head"]}
+        "recipe": recipe, "group_size": 32, "linears_quantized": 5, "linears_left_float": [],
+        "embeddings": "4,32", "embeddings_stored_as": None,
+        "linears_on_source_grid": 2, "linears_at_8_bits": ["q6_k", "lm_head"],
+        "from_source": {"Q4_0": {"4-bit, the file's grid kept": 1},
+                        "Q4_1": {"4-bit, the file's grid kept": 1},
+                        "Q5_0": {"4-bit in groups of 32": 1},
+                        "Q6_K": {"8-bit per channel": 1},
+                        "Q8_0": {"8-bit per channel": 1, "table 4-bit in groups of 32": 1}}}
     for name in ("q4_1", "q4_0"):
         torch.testing.assert_close(effective_weight(getattr(model, name)), originals[name],
                                    rtol=0, atol=1e-6)
     assert model.lm_head.weight.qdata.abs().max() > 8  # 8-bit codes
-    assert model.embed_tokens.weight.qdata.abs().max() > 8
+    assert model.q6_k.weight.qdata.abs().max() > 8
+    assert model.q5_0.weight.qdata.abs().max() <= 8 and model.q5_0.weight.qdata.min() >= -8
+    assert model.embed_tokens.weight.qdata.abs().max() <= 8
     x = torch.randn(3, 64)
     close = dict(rtol=0.05, atol=0.05) if recipe == "8da4w" else {}  # 8-bit activations
     torch.testing.assert_close(model.q4_1(x), x @ originals["q4_1"].T + model.q4_1.linear.bias,

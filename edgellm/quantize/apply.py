@@ -12,8 +12,8 @@ from .. import patches
 from ..memory import drop_checkpoint_pages
 from .experts import quantize_experts
 from .grid import keep_grids, packed_bytes
-from .plan import Plan, embedding_name, plan
-from .recipes import torchao_config
+from .plan import Plan, embedding_name, plan, source_types
+from .recipes import SPARED_BITS, torchao_config
 
 # While linears are quantized, the checkpoint pages of those already done are dropped once this
 # many float bytes have been (each drop reads /proc/self/smaps, too slow to do per linear)
@@ -36,6 +36,8 @@ class Quantized:
     expert_blocks_packed: int = 0  # sparse blocks whose experts were quantized
     experts: str | None = None  # how they run: "op", "chosen" or "every" (config.experts)
     embeddings_stored_as: str | None = None  # the source's type that kept the table at 8 bits
+    # {source storage type: {what its tensors became: how many}}: a quantized file's choices
+    from_source: dict = field(default_factory=dict)
     patches: dict = field(default_factory=dict)  # {name: "on" or why not}: report.json's `patches`
 
     def report(self) -> dict:
@@ -56,11 +58,14 @@ class Quantized:
         if self.embeddings_stored_as:
             out.append(f"[edgellm] quantize: embeddings in 8 bits ({self.embeddings}): the "
                        f"source stores the table as {self.embeddings_stored_as}")
+        for kind, became in self.from_source.items():
+            out.append(f"[edgellm] quantize: {kind} tensors -> " + ", ".join(
+                f"{to} ({n})" for to, n in became.items()))
         if self.linears_at_8_bits:
             eight = self.linears_at_8_bits
             many = "linears get" if len(eight) > 1 else "linear gets"
             out.append(f"[edgellm] quantize: {len(eight)} {many} 8-bit weights: the source "
-                       f"stores them above 4 bits ({', '.join(eight[:3])}"
+                       f"stores them at {SPARED_BITS} bits or more ({', '.join(eight[:3])}"
                        f"{', ...' if len(eight) > 3 else ''})")
         return out
 
@@ -77,6 +82,7 @@ def quantize(model, cfg, stored: dict | None = None,
     recorded every op of HQQ's twenty passes (the same values, 3 to 8 times slower on
     Phi-4-mini's linears)."""
     todo = plan(model, cfg, stored, experts_refused)
+    types = source_types(model, stored or {})
     done = Quantized(todo.recipe, todo.group, todo.embeddings,
                      linears_left_float=list(todo.left_float),
                      linears_at_8_bits=list(todo.at_8_bits),
@@ -88,6 +94,7 @@ def quantize(model, cfg, stored: dict | None = None,
     done.patches = patches.apply(QUANTIZE_PATCHES)
     kept = keep_grids(model, todo.grids, todo.dynamic) if todo.grids else []
     done.linears_on_source_grid = len(kept)
+    done.from_source = _from_source(types, todo, {name for name, _ in kept})
     done.bytes_saved += sum(saved for _, saved in kept) + _quantize_linears(model, todo)
     done.linears_quantized = len(todo.linears)
     if todo.experts:
@@ -99,6 +106,28 @@ def quantize(model, cfg, stored: dict | None = None,
         done.experts = todo.experts[2]
         done.bytes_saved += saved
     return done
+
+
+def _from_source(types: dict, todo: Plan, kept: set) -> dict:
+    """{storage type: {what its tensors became: count}} over the source's linears and table."""
+    out: dict = {}
+    for name, kind in types.items():
+        if name == "embedding":
+            bits, group = todo.embedding or (None, None)
+            to = "table float" if bits is None else f"table {_form(bits, group)}"
+        elif name in kept:
+            to = "4-bit, the file's grid kept"
+        elif name in todo.linears:
+            to = _form(*todo.linears[name])
+        else:
+            to = "float"
+        out.setdefault(kind, {})
+        out[kind][to] = out[kind].get(to, 0) + 1
+    return dict(sorted(out.items()))
+
+
+def _form(bits: int, group: int) -> str:
+    return f"{bits}-bit " + ("per channel" if group == 0 else f"in groups of {group}")
 
 
 def _quantize_tables(model, todo: Plan) -> int:

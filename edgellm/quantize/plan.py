@@ -2,10 +2,12 @@
 and of the embedding tables, from the recipe and from what the source stored.
 
 A source that is already 4-bit (a GGUF's Q4_0 / Q4_1 / Q4_K tensors) is not quantized twice: a
-4-bit recipe at the file's block keeps its grids (grid.py), and tensors the file keeps above 4
-bits while its linears are 4-bit (SmolLM2's Q8_0 tied head and table, a Q4_K_M file's Q5_0 and
-Q6_K tensors) get 8 bits per channel: the file's author spared them. A head that is the
-embedding table itself (tied, no linear of its own: Core ML's build) takes the table's bits.
+4-bit recipe at the file's block keeps its grids (grid.py), and tensors the file keeps at
+recipes.SPARED_BITS or more while its linears are 4-bit (SmolLM2's Q8_0 tied head and table, a
+Q4_K_M file's Q6_K tensors) get 8 bits per channel: the file's author spared them. Its 5-bit
+tensors (the Q5_0 / Q5_1 llama.cpp writes where a row is not a multiple of 256, in place of its
+4-bit K type) take the recipe's 4 bits. A head that is the embedding table itself (tied, no
+linear of its own: Core ML's build) takes the table's bits.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from torch import nn
 
 from ..errors import InputError
 from .grid import GRID_BLOCK, GRID_TYPES
-from .recipes import RECIPES, group_of, parse_embedding
+from .recipes import RECIPES, SPARED_BITS, group_of, parse_embedding
 
 
 @dataclass
@@ -90,7 +92,7 @@ def plan(model, cfg, stored: dict | None = None, experts_refused: str | None = N
     largest = max((m.weight.numel() for _, m in linears), default=0)
     higher = []
     for name, module in linears:
-        spared = four_bit and (stored_bits(types.get(name)) or 0) > 4
+        spared = four_bit and (stored_bits(types.get(name)) or 0) >= SPARED_BITS
         bits, group = (8, 0) if spared else (recipe.bits, out.group)
         if group and module.in_features % group:
             out.left_float.append(name)
@@ -111,14 +113,15 @@ def plan(model, cfg, stored: dict | None = None, experts_refused: str | None = N
 
 
 def _plan_tables(out: Plan, model, cfg, recipe, types: dict, four_bit: bool) -> None:
-    """The embedding tables' bits: as asked; 8 per row where the source spared its table while
-    its linears are 4-bit; and where the head is the table, the 8 bits a 4-bit recipe gives a
-    spared head (as XNNPACK's separate head gets them), even when no table recipe was asked."""
-    spared = four_bit and (stored_bits(types.get("embedding")) or 0) > 4
+    """The embedding tables' bits: as asked, except where the head is the table and the source
+    spared it while its linears are 4-bit: there 8 per row, the 8 bits a 4-bit recipe gives a
+    spared head (as XNNPACK's separate head gets them), even when no table recipe was asked. A
+    separate head keeps its own 8 bits whatever the table takes."""
+    spared = four_bit and (stored_bits(types.get("embedding")) or 0) >= SPARED_BITS
     head_is_table = getattr(model, "lm_head", None) is None
     if cfg.embedding_quantize:
         out.embedding = parse_embedding(cfg.embedding_quantize)
-        if out.embedding[0] == 4 and spared:
+        if out.embedding[0] == 4 and spared and head_is_table:
             out.embedding, out.embeddings = (8, 0), "8,0"
             out.embeddings_stored_as = types["embedding"]
     elif head_is_table and recipe is not None and recipe.bits == 4 and spared:

@@ -139,3 +139,52 @@ def torchao_config(bits: int, group: int, dynamic: bool, algorithm: str = HQQ,
             intx_choose_qparams_algorithm=algorithm)
     return IntxWeightOnlyConfig(weight_dtype=dtype, granularity=granularity, mapping_type=mapping,
                                 intx_choose_qparams_algorithm=algorithm)
+
+
+# a GGUF storage type's bits at or above which the file's author spared the tensor (llama.cpp's
+# K-quant mixes give the sensitive tensors Q6_K or Q8_0, and take Q5_0 / Q5_1 where a row is not
+# a multiple of 256 in place of their 4- or 5-bit K type): those become 8-bit, the rest 4-bit
+SPARED_BITS = 6
+FILE_DTYPES = {"F16": "fp16", "BF16": "bf16"}
+
+
+def file_recipe(kinds: dict, backend) -> dict:
+    """The recipe that keeps a quantized file's precision on `backend` (the chain's first), as
+    config fields: `kinds` maps each weight of the file to (storage type, values), the table
+    under "embedding". Linears mostly below SPARED_BITS (by values) take the backend's 4-bit
+    recipe at the file's block of 32 (grids kept, tensors spared by the author at 8 bits:
+    plan.py), else its 8-bit one, per channel; the table its bits the same way where the backend
+    has quantized tables (4 bits where a 4-bit file ties it to a head the backend writes apart,
+    which keeps 8); a file of F16 or BF16 linears its dtype. {} for a float file, or where
+    the backend has no recipe for it (a float program, as before)."""
+    from .plan import stored_bits
+
+    linears = {n: k for n, k in kinds.items() if n != "embedding"}
+    by_kind: dict = {}
+    for kind, values in linears.values():
+        by_kind[kind] = by_kind.get(kind, 0) + values
+    if not by_kind:
+        return {}
+    kind = max(by_kind, key=by_kind.get)
+    if kind in FILE_DTYPES:
+        return {"dtype": FILE_DTYPES[kind]}
+    bits = stored_bits(kind)
+    if kind == "F32" or bits is None:
+        return {}
+    low = sum(v for k, v in by_kind.items() if (stored_bits(k) or 32) < SPARED_BITS)
+    want = 4 if low * 2 >= sum(by_kind.values()) else 8
+    recipe = next((r for r in backend.recipes if RECIPES[r].bits == want), None)
+    if recipe is None:
+        return {}
+    out = {"quantize": recipe, "group_size": 32 if want == 4 else 0}
+    table = kinds.get("embedding")
+    experts = any("_exps." in name for name in kinds)  # a quantized table beside experts lowered
+    # a delegate apiece fails to export (a lowered module goes missing): the table stays float
+    if backend.quantized_embeddings and table and stored_bits(table[0]) not in (None, 32) \
+            and not experts:
+        # a tied table that the backend also writes as a separate head is stored twice: the
+        # lookups take 4 bits and the head keeps the file's 8 (plan.py)
+        twice = "output.weight" not in kinds and backend.writing.get("separate_head")
+        low = stored_bits(table[0]) < SPARED_BITS or (want == 4 and twice)
+        out["embedding_quantize"] = "4,32" if low else "8"
+    return out

@@ -14,7 +14,8 @@ from pathlib import Path
 from ..errors import InputError
 from .base import Source
 
-__all__ = ["Source", "check_model_class", "check_params", "default_model_path", "load_source"]
+__all__ = ["Source", "check_model_class", "check_params", "default_model_path", "load_source",
+           "storage_kinds"]
 
 
 def default_model_path() -> Path:
@@ -48,6 +49,18 @@ def load_source(model: str | None, params: str | None = None, model_class: str |
 
         source.write_tokenizer, source.tokenizer = tokenizer_files(Path(tokenizer))
     return source
+
+
+def storage_kinds(model: str | None) -> dict | None:
+    """How a quantized file stores its weights, read from its header alone: {tensor name: (storage
+    type, values)} with the embedding table as "embedding", for a GGUF (or the embedded default);
+    None for a model that stores no quantization (a folder, a .pth)."""
+    path = default_model_path() if not model else Path(model)
+    if not (path.is_file() and path.suffix.lower() == ".gguf"):
+        return None
+    from .gguf import storage_kinds as gguf_kinds
+
+    return gguf_kinds(path)
 
 
 def _open(path: Path, params: str | None, model_class: str | None) -> Source:

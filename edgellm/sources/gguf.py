@@ -114,6 +114,17 @@ def load_gguf(path: Path) -> Source:
                   stored_types=stored)
 
 
+def storage_kinds(path: Path) -> dict:
+    """{tensor name: (storage type, values)} of the file's matrices (two dimensions or more: the
+    linears, stacked experts and the table, "embedding"), from its tensor table."""
+    out = {}
+    for t in _reader(path).tensors:
+        if len(t.shape) >= 2:
+            name = "embedding" if t.name == "token_embd.weight" else t.name
+            out[name] = (t.tensor_type.name, int(t.n_elements))
+    return out
+
+
 def _reader(path: Path):
     """`gguf.GGUFReader` of the file, which checks each tensor against the file's size and
     gguf's types before mapping it, so a cut file or an unknown type is named as such. The mapped
