@@ -305,22 +305,28 @@ def resolve_config(model=None, *, config=None, overrides=(), **options):
         data["model"] = str(model)
     cfg = from_dict(data)
     if not {"dtype", "quantize", "embedding_quantize", "group_size"} & data.keys():
-        recipe = source_recipe(cfg)
-        if recipe:
-            cfg = from_dict({**data, **recipe})
+        for recipe in source_recipes(cfg):
+            try:
+                return from_dict({**data, **recipe})
+            except ConfigError:  # the backend's options refuse it (Core ML 4w below iOS 18)
+                continue
     return cfg
 
 
-def source_recipe(cfg: ExportConfig) -> dict:
+def source_recipes(cfg: ExportConfig) -> list[dict]:
     """The fields of the recipe that keeps a quantized file's precision on the chain's first
-    backend (quantize.recipes.file_recipe), for a config that chose no dtype or recipe: a GGUF's
-    default program is as small as the file, not a float one. {} for an unquantized source."""
+    backend (quantize.recipes.file_recipe), then its 8-bit fallback, for a config that chose no
+    dtype or recipe: a GGUF's default program is as small as the file, not a float one. [] for an
+    unquantized source."""
     from .backends import get_backend
     from .quantize.recipes import file_recipe
     from .sources import storage_kinds
 
     kinds = storage_kinds(cfg.model)
-    return file_recipe(kinds, get_backend(cfg.backends[0])) if kinds else {}
+    if not kinds:
+        return []
+    backend = get_backend(cfg.backends[0])
+    return [r for r in (file_recipe(kinds, backend), file_recipe(kinds, backend, bits=8)) if r]
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

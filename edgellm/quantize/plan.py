@@ -12,14 +12,13 @@ linear of its own: Core ML's build) takes the table's bits.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
 from torch import nn
 
 from ..errors import InputError
 from .grid import GRID_BLOCK, GRID_TYPES
-from .recipes import RECIPES, SPARED_BITS, group_of, parse_embedding
+from .recipes import RECIPES, SPARED_BITS, group_of, parse_embedding, stored_bits
 
 
 @dataclass
@@ -36,12 +35,6 @@ class Plan:
     embeddings_stored_as: str | None = None  # the source's type that kept the table at 8 bits
     head_in_table: bool = False  # the head is the table: decode reads all of it
     experts: tuple | None = None  # (bits, group, "op", "chosen" or "every") of sparse blocks
-
-
-def stored_bits(kind: str | None) -> int | None:
-    """Bits per weight of a GGUF storage type: 'Q4_1' -> 4, 'Q8_0' -> 8, 'F16' -> 16."""
-    found = re.search(r"\d+", kind or "")
-    return int(found.group()) if found else None
 
 
 def keeps_source_grids(cfg, stored: dict | None) -> bool:

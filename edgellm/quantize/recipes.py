@@ -148,17 +148,24 @@ SPARED_BITS = 6
 FILE_DTYPES = {"F16": "fp16", "BF16": "bf16"}
 
 
-def file_recipe(kinds: dict, backend) -> dict:
+def stored_bits(kind: str | None) -> int | None:
+    """Bits per weight of a GGUF storage type: 'Q4_1' -> 4, 'Q8_0' -> 8, 'F16' -> 16."""
+    import re
+
+    found = re.search(r"\d+", kind or "")
+    return int(found.group()) if found else None
+
+
+def file_recipe(kinds: dict, backend, bits: int | None = None) -> dict:
     """The recipe that keeps a quantized file's precision on `backend` (the chain's first), as
     config fields: `kinds` maps each weight of the file to (storage type, values), the table
     under "embedding". Linears mostly below SPARED_BITS (by values) take the backend's 4-bit
     recipe at the file's block of 32 (grids kept, tensors spared by the author at 8 bits:
     plan.py), else its 8-bit one, per channel; the table its bits the same way where the backend
     has quantized tables (4 bits where a 4-bit file ties it to a head the backend writes apart,
-    which keeps 8); a file of F16 or BF16 linears its dtype. {} for a float file, or where
+    which keeps 8); a file of F16 or BF16 linears its dtype. `bits` forces the linears' bits
+    (8: the fallback where a backend's options refuse its 4-bit recipe). {} for a float file, or where
     the backend has no recipe for it (a float program, as before)."""
-    from .plan import stored_bits
-
     linears = {n: k for n, k in kinds.items() if n != "embedding"}
     by_kind: dict = {}
     for kind, values in linears.values():
@@ -172,7 +179,7 @@ def file_recipe(kinds: dict, backend) -> dict:
     if kind == "F32" or bits is None:
         return {}
     low = sum(v for k, v in by_kind.items() if (stored_bits(k) or 32) < SPARED_BITS)
-    want = 4 if low * 2 >= sum(by_kind.values()) else 8
+    want = bits or (4 if low * 2 >= sum(by_kind.values()) else 8)
     recipe = next((r for r in backend.recipes if RECIPES[r].bits == want), None)
     if recipe is None:
         return {}
