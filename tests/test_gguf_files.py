@@ -127,3 +127,27 @@ def test_a_float_export_of_a_llamacpp_file_generates_transformers_tokens(tmp_pat
             torch.tensor([ids]), max_new_tokens=8, do_sample=False)[0, len(ids):].tolist()
     program = Program(tmp_path / "out" / "model.pte")
     assert list(greedy(program.forward, program.prefill, ids, 8, set())) == expected
+
+
+@pytest.mark.parametrize("name, backend, overrides, expected", [
+    ("llama-Q4_K_M.gguf", "xnnpack", [], ("fp32", "8da4w", 32, "4,32")),
+    ("llama-Q4_K_M.gguf", "coreml", [], ("fp32", "4w", 32, "4,32")),
+    ("llama-Q4_K_M.gguf", "coreml", ["coreml.min_ios=17"], ("fp32", "8w", 0, "8")),
+    ("llama-Q6_K.gguf", "xnnpack", [], ("fp32", "8da8w", 0, "8")),
+    ("llama-Q8_0.gguf", "coreml", [], ("fp32", "8w", 0, "8")),
+    ("llama-IQ4_XS.gguf", "xnnpack", [], ("fp32", "8da4w", 32, "4,32")),
+    ("llama-F16.gguf", "xnnpack", [], ("fp16", None, None, None)),
+    ("llama-BF16.gguf", "coreml", [], ("bf16", None, None, None)),
+    ("llama-Q4_0.gguf", "vulkan", [], ("fp32", None, None, None)),
+])
+def test_the_file_s_storage_picks_the_default_recipe(name, backend, overrides, expected):
+    """With no dtype or recipe given, the file's storage types choose: mostly 4-bit linears the
+    backend's 4-bit recipe at the file's block of 32, 6- or 8-bit ones its 8-bit recipe, the
+    table 4 bits beside 4-bit linears and 8 beside 8-bit ones, F16 / BF16 their dtype; the 8-bit
+    recipe and table where the backend's options refuse 4 bits (Core ML before iOS 18); no
+    recipe on a backend with none. Any of dtype, quantize or embedding_quantize given turns it off."""
+    from edgellm.config import resolve_config
+
+    cfg = resolve_config(FIXTURES / name, backends=backend, overrides=overrides)
+    assert (cfg.dtype, cfg.quantize, cfg.group_size, cfg.embedding_quantize) == expected
+    assert resolve_config(FIXTURES / name, backends=backend, dtype="fp32").quantize is None

@@ -161,11 +161,12 @@ def file_recipe(kinds: dict, backend, bits: int | None = None) -> dict:
     config fields: `kinds` maps each weight of the file to (storage type, values), the table
     under "embedding". Linears mostly below SPARED_BITS (by values) take the backend's 4-bit
     recipe at the file's block of 32 (grids kept, tensors spared by the author at 8 bits:
-    plan.py), else its 8-bit one, per channel; the table its bits the same way where the backend
-    has quantized tables (4 bits where a 4-bit file ties it to a head the backend writes apart,
-    which keeps 8); a file of F16 or BF16 linears its dtype. `bits` forces the linears' bits
-    (8: the fallback where a backend's options refuse its 4-bit recipe). {} for a float file, or where
-    the backend has no recipe for it (a float program, as before)."""
+    plan.py), else its 8-bit one, per channel; where the backend has quantized tables, the table
+    4 bits beside 4-bit linears (except a table the file spared, at 6 bits or more, that the
+    backend does not also write as a separate head: it keeps 8) and 8 beside 8-bit ones; a file
+    of F16 or BF16 linears its dtype. `bits` forces the linears' bits
+    (8: the fallback where a backend's options refuse its 4-bit recipe). {} for a float file,
+    or where the backend has no recipe for it (a float program, as before)."""
     linears = {n: k for n, k in kinds.items() if n != "embedding"}
     by_kind: dict = {}
     for kind, values in linears.values():
@@ -175,8 +176,7 @@ def file_recipe(kinds: dict, backend, bits: int | None = None) -> dict:
     kind = max(by_kind, key=by_kind.get)
     if kind in FILE_DTYPES:
         return {"dtype": FILE_DTYPES[kind]}
-    bits = stored_bits(kind)
-    if kind == "F32" or bits is None:
+    if kind == "F32" or stored_bits(kind) is None:
         return {}
     low = sum(v for k, v in by_kind.items() if (stored_bits(k) or 32) < SPARED_BITS)
     want = bits or (4 if low * 2 >= sum(by_kind.values()) else 8)
@@ -192,6 +192,6 @@ def file_recipe(kinds: dict, backend, bits: int | None = None) -> dict:
         # a tied table that the backend also writes as a separate head is stored twice: the
         # lookups take 4 bits and the head keeps the file's 8 (plan.py)
         twice = "output.weight" not in kinds and backend.writing.get("separate_head")
-        low = stored_bits(table[0]) < SPARED_BITS or (want == 4 and twice)
+        low = want == 4 and (stored_bits(table[0]) < SPARED_BITS or twice)
         out["embedding_quantize"] = "4,32" if low else "8"
     return out
