@@ -32,30 +32,6 @@ FULL = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K_M", "Q4_K_S", "Q4_
 SOME = ("Q4_K_M",)
 FAMILIES = ("llama", "qwen2", "qwen3", "lfm2", "gemma3_text", "phi3", "granite", "olmo2",
             "smollm3", "lfm2_moe", "qwen3_moe")
-WIDTHS = dict(hidden_size=256, intermediate_size=320)
-
-
-def config(family: str, vocab: int):
-    """gguf_configs' tiny config of `family`, widened to WIDTHS (heads of 64)."""
-    from test_sources import gguf_configs
-
-    cfg = gguf_configs(vocab)[family]
-    cfg.hidden_size, cfg.intermediate_size = WIDTHS["hidden_size"], WIDTHS["intermediate_size"]
-    if getattr(cfg, "head_dim", None):
-        cfg.head_dim = cfg.hidden_size // cfg.num_attention_heads
-    if getattr(cfg, "moe_intermediate_size", None):
-        cfg.moe_intermediate_size = 64
-    if getattr(cfg, "query_pre_attn_scalar", None):
-        cfg.query_pre_attn_scalar = cfg.head_dim
-    rope = getattr(cfg, "rope_parameters", None) or {}
-    if "short_factor" in rope:  # LongRoPE: a factor per rotated pair
-        pairs = int(rope.get("partial_rotary_factor", 1.0) * cfg.hidden_size
-                    // cfg.num_attention_heads) // 2
-        for which in ("short_factor", "long_factor"):
-            rope[which] = [rope[which][i * len(rope[which]) // pairs] for i in range(pairs)]
-    return cfg
-
-
 def quantize(source: Path, out: Path, kind: str) -> None:
     done = subprocess.run([LLAMACPP_PYTHON, "-c", SCRIPT, str(source), str(out), kind],
                           capture_output=True, text=True)
@@ -68,7 +44,7 @@ def main():
     import gguf
 
     from conftest import make_tokenizer, random_model
-    from test_sources import write_gguf
+    from test_sources import fixture_config, write_gguf
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=str(HERE.parent / "tests" / "data" / "gguf"))
@@ -86,7 +62,8 @@ def main():
         shutil.copy(tmp / "tok" / "tokenizer.json", out / "tokenizer.json")
         for family in FAMILIES:
             source = tmp / f"{family}-F32.gguf"
-            write_gguf(random_model(config(family, vocab)), tmp / "tok" / "tokenizer.json", source)
+            write_gguf(random_model(fixture_config(family, vocab)), tmp / "tok" / "tokenizer.json",
+                       source)
             for kind in FULL if family == "llama" else SOME:
                 path = out / f"{family}-{kind}.gguf"
                 quantize(source, path, kind)

@@ -58,9 +58,12 @@ class ExportConfig:
                                       "max-seq-len) beyond the model's max_position_embeddings")
     prefill_chunk: int = option(0, "also export a `prefill` method taking this many tokens per "
                                 "call (0: none)")
-    dtype: str = option("fp32", "weights and activations (default fp32)", choices=tuple(DTYPES))
+    dtype: str = option("fp32", "weights and activations (default fp32, or an F16/BF16 GGUF's "
+                        "own)", choices=tuple(DTYPES))
     quantize: str | None = option(None, "linear weight recipe: 8da4w, 8da8w (xnnpack); 4w, 8w "
-                                  "(coreml, weight-only)")
+                                  "(coreml, weight-only); default none, or from a quantized "
+                                  "GGUF the recipe that keeps its quantization (unless --dtype, "
+                                  "--group-size or --embedding-quantize is given)")
     group_size: int | None = option(None, "quantization group size (0: per channel; default "
                                     "128 for 8da4w, 32 for 4w and for 8da4w from a "
                                     "Q4_0/Q4_1/Q4_K GGUF, whose grid it keeps)")

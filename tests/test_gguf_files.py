@@ -47,19 +47,38 @@ def test_the_files_hold_what_llamacpp_writes_for_real_models():
         assert read == info["tensors"], name
 
 
+# the least SQNR (dB) of a weight read back against the float weight llama.cpp quantized, per
+# file type: each a couple of dB under what the fixtures measure; a misread block, row order or
+# scale falls to about 0
+LEAST_SQNR = {"Q2_K": 9, "Q3_K_M": 14, "Q4_0": 19, "Q4_1": 20, "Q4_K_S": 20, "Q4_K_M": 20,
+              "IQ4_NL": 20, "IQ4_XS": 20, "Q5_0": 25, "Q5_1": 26, "Q5_K_M": 26, "Q6_K": 32,
+              "Q8_0": 42, "BF16": 50, "F16": 70}
+
+
 @pytest.mark.parametrize("name", FILES)
 def test_a_llamacpp_file_reads_as_transformers_runs_it(name, prompt_ids):
-    """The file's weights, dequantized by gguf, in edgellm's eager model and in transformers'
-    own: a prompt, then one token per call, the same logits and greedy tokens; each weight keeps
-    the storage type the file gives it."""
-    from conftest import assert_logits_close, cached_run, reference_run
+    """Every weight read from the file is the float weight llama.cpp quantized (the fixture's
+    model, rebuilt from its seed), within what the file type loses, under the same Hugging Face
+    name; each keeps the storage type the file gives it; and edgellm's eager model and
+    transformers' own on those weights give the same logits and greedy tokens over a prompt,
+    then one token per call."""
+    from conftest import assert_logits_close, cached_run, random_model, reference_run
     from edgellm.architectures import build_model, load_deferred
     from edgellm.architectures.layers import ModelOptions
+    from edgellm.numerics import compare
     from edgellm.verification import transformers_model
+    from test_sources import fixture_config
 
     source = load_source(str(FIXTURES / name))
     kinds = set(source.stored_types.values())
     assert kinds <= set(MANIFEST["files"][name]["tensors"]) and kinds - {"F32"}, kinds
+    info = MANIFEST["files"][name]
+    original = random_model(fixture_config(info["family"], source.hf_config.vocab_size))
+    weights = original.state_dict()
+    for key, read in source.state_dict.items():
+        if isinstance(read, torch.Tensor) and read.dim() >= 2:  # experts: read when asked
+            sqnr = compare(read.float(), weights[key].float()).sqnr_db
+            assert sqnr >= LEAST_SQNR[info["type"]], (key, sqnr)
     model = build_model(source.hf_config, source.state_dict, ModelOptions(32), torch.float32)
     load_deferred(model)
     tokens, expected = reference_run(transformers_model(source), prompt_ids, steps=6)

@@ -223,6 +223,28 @@ def gguf_configs(vocab) -> dict:
     }
 
 
+def fixture_config(family: str, vocab: int):
+    """gguf_configs' tiny config of `family` widened as tests/data/gguf holds it
+    (bench/gguf_fixtures.py): rows of 256 (the K-quants' super block) in the attention, up/gate
+    projections and tables, of 320 (a multiple of 32, not of 256) in the down projections; heads
+    of 64."""
+    cfg = gguf_configs(vocab)[family]
+    cfg.hidden_size, cfg.intermediate_size = 256, 320
+    if getattr(cfg, "head_dim", None):
+        cfg.head_dim = cfg.hidden_size // cfg.num_attention_heads
+    if getattr(cfg, "moe_intermediate_size", None):
+        cfg.moe_intermediate_size = 64
+    if getattr(cfg, "query_pre_attn_scalar", None):
+        cfg.query_pre_attn_scalar = cfg.head_dim
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    if "short_factor" in rope:  # LongRoPE: a factor per rotated pair
+        pairs = int(rope.get("partial_rotary_factor", 1.0) * cfg.hidden_size
+                    // cfg.num_attention_heads) // 2
+        for which in ("short_factor", "long_factor"):
+            rope[which] = [rope[which][i * len(rope[which]) // pairs] for i in range(pairs)]
+    return cfg
+
+
 @pytest.mark.parametrize("family", ["llama", "lfm2", "mistral", "gemma3_text", "phi3",
                                     "granite", "olmo2", "smollm3", "lfm2_moe", "qwen3_moe"])
 def test_a_family_gguf_matches_transformers(tiny_models, prompt_ids, tmp_path, family):

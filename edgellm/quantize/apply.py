@@ -12,7 +12,7 @@ from .. import patches
 from ..memory import drop_checkpoint_pages
 from .experts import quantize_experts
 from .grid import keep_grids, packed_bytes
-from .plan import Plan, embedding_name, plan, source_types
+from .plan import Plan, embedding_name, plan
 from .recipes import SPARED_BITS, torchao_config
 
 # While linears are quantized, the checkpoint pages of those already done are dropped once this
@@ -82,7 +82,6 @@ def quantize(model, cfg, stored: dict | None = None,
     recorded every op of HQQ's twenty passes (the same values, 3 to 8 times slower on
     Phi-4-mini's linears)."""
     todo = plan(model, cfg, stored, experts_refused)
-    types = source_types(model, stored or {})
     done = Quantized(todo.recipe, todo.group, todo.embeddings,
                      linears_left_float=list(todo.left_float),
                      linears_at_8_bits=list(todo.at_8_bits),
@@ -94,7 +93,7 @@ def quantize(model, cfg, stored: dict | None = None,
     done.patches = patches.apply(QUANTIZE_PATCHES)
     kept = keep_grids(model, todo.grids, todo.dynamic) if todo.grids else []
     done.linears_on_source_grid = len(kept)
-    done.from_source = _from_source(types, todo, {name for name, _ in kept})
+    done.from_source = _from_source(todo, {name for name, _ in kept})
     done.bytes_saved += sum(saved for _, saved in kept) + _quantize_linears(model, todo)
     done.linears_quantized = len(todo.linears)
     if todo.experts:
@@ -108,10 +107,10 @@ def quantize(model, cfg, stored: dict | None = None,
     return done
 
 
-def _from_source(types: dict, todo: Plan, kept: set) -> dict:
+def _from_source(todo: Plan, kept: set) -> dict:
     """{storage type: {what its tensors became: count}} over the source's linears and table."""
     out: dict = {}
-    for name, kind in types.items():
+    for name, kind in todo.source_types.items():
         if name == "embedding":
             bits, group = todo.embedding or (None, None)
             to = "table float" if bits is None else f"table {_form(bits, group)}"

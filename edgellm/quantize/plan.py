@@ -35,6 +35,7 @@ class Plan:
     embeddings_stored_as: str | None = None  # the source's type that kept the table at 8 bits
     head_in_table: bool = False  # the head is the table: decode reads all of it
     experts: tuple | None = None  # (bits, group, "op", "chosen" or "every") of sparse blocks
+    source_types: dict = field(default_factory=dict)  # linear name (or "embedding") -> type
 
 
 def keeps_source_grids(cfg, stored: dict | None) -> bool:
@@ -74,7 +75,7 @@ def plan(model, cfg, stored: dict | None = None, experts_refused: str | None = N
     types = source_types(model, stored or {})
     four_bit = any((stored_bits(t) or 99) <= 4 for n, t in types.items() if n != "embedding")
     recipe = RECIPES[cfg.quantize] if cfg.quantize else None
-    out = Plan(cfg.quantize, embeddings=cfg.embedding_quantize)
+    out = Plan(cfg.quantize, embeddings=cfg.embedding_quantize, source_types=types)
     _plan_tables(out, model, cfg, recipe, types, four_bit)
     if recipe is None:
         return out

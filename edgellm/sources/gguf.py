@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import os
+from importlib.metadata import version
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -71,7 +72,7 @@ def load_gguf(path: Path) -> Source:
     layout = found.gguf
     tensors = {info.name: info for info in reader.tensors}
     names = tuple(tensors)
-    values = functools.partial(_values, path, tensors)
+    values = functools.partial(_values, tensors)
     try:
         raw = _config(found, metadata, names, values)
     except KeyError as e:
@@ -91,7 +92,7 @@ def load_gguf(path: Path) -> Source:
     wanted = [name for name in names if name in hf_names]
     _readable(path, tensors, wanted + [n for n in names if any(t in n for t in EXPERT_TENSORS)])
     for hf_name, experts in _stacked_experts(path, arch, cfg, skeleton, tensors,
-                                             functools.partial(_expert_values, path, tensors)):
+                                             functools.partial(_expert_values, tensors)):
         state[hf_name] = experts
     with ThreadPoolExecutor(os.cpu_count() or 1) as pool:  # numpy lets go of the GIL
         for name, tensor in zip(wanted, pool.map(weight, wanted)):
@@ -126,6 +127,14 @@ def storage_kinds(path: Path) -> dict:
 
 
 def _reader(path: Path):
+    """The file's reader, parsed once for both the config's storage types and the load (a
+    changed file is parsed again)."""
+    stat = Path(path).stat()
+    return _parsed(str(path), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=2)
+def _parsed(path: str, size: int, mtime: int):
     """`gguf.GGUFReader` of the file, which checks each tensor against the file's size and
     gguf's types before mapping it, so a cut file or an unknown type is named as such. The mapped
     file is held as a plain array: numpy's memmap subclass pays per slice, and the reader takes
@@ -148,11 +157,11 @@ def _reader(path: Path):
                 if int(kind[0]) not in gguf.GGMLQuantizationType._value2member_map_:
                     raise InputError(
                         f"{path}: tensor {name} is stored as ggml type {int(kind[0])}, which the "
-                        f"installed gguf {_version('gguf')} does not know (llama.cpp may be "
+                        f"installed gguf {version('gguf')} does not know (llama.cpp may be "
                         "newer than it): upgrade gguf (pip install -U gguf), or requantize the "
                         "file to a known type with llama.cpp's llama-quantize.")
-                block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(int(kind[0]))]
-                end = int(start_offs + offset[0]) + int(np.prod(dims)) * size // block
+                block, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(kind[0])]
+                end = int(start_offs + offset[0]) + int(np.prod(dims)) * block_bytes // block
                 if end > len(self.data):
                     raise _truncated(path, name, end, len(self.data))
             super()._build_tensors(start_offs, fields)
@@ -181,12 +190,6 @@ def _metadata(reader) -> dict:
     return out
 
 
-def _version(package: str) -> str:
-    from importlib.metadata import version
-
-    return version(package)
-
-
 def _readable(path: Path, tensors: dict, wanted) -> None:
     """InputError naming every tensor of `wanted` whose type gguf cannot dequantize."""
     import gguf
@@ -201,18 +204,18 @@ def _readable(path: Path, tensors: dict, wanted) -> None:
         listed = "; ".join(f"{kind}: {', '.join(names[:3])}{' ...' if len(names) > 3 else ''}"
                            for kind, names in unread.items())
         raise InputError(f"{path} stores tensors in types that the installed gguf "
-                         f"{_version('gguf')} cannot dequantize ({listed}); llama.cpp's runtime "
+                         f"{version('gguf')} cannot dequantize ({listed}); llama.cpp's runtime "
                          "reads them, edgellm reads what gguf does. Requantize the file with "
                          "llama.cpp's llama-quantize to a type such as Q4_K_M or Q8_0.")
 
 
-def _values(path: Path, tensors: dict, name: str) -> np.ndarray:
+def _values(tensors: dict, name: str) -> np.ndarray:
     """One tensor of the mapped file as float32, dequantized by gguf, in torch's shape."""
     info = tensors[name]
     return _decode(info.data, info.tensor_type, _shape(info))
 
 
-def _expert_values(path: Path, tensors: dict, name: str, expert: int) -> np.ndarray:
+def _expert_values(tensors: dict, name: str, expert: int) -> np.ndarray:
     """One expert's slice (E, ...) -> (...) of a stacked experts tensor, as `_values` gives a
     whole tensor: llama.cpp stores the experts one after another, each whole rows."""
     info = tensors[name]
