@@ -4,11 +4,11 @@ model per family that reads GGUF, as llama.cpp's converter lays it out (tests/te
 
 usage: python bench/gguf_fixtures.py [--out tests/data/gguf]
 
-Widths are chosen so that the files hold what real ones do: 256-wide rows (the K-quants' super
-block) in the attention and up/gate projections and the tables, 320-wide rows (a multiple of 32,
-not of 256) in the down projections, where llama.cpp falls back (Q4_K -> Q5_0, Q5_K -> Q5_1,
-Q6_K -> Q8_0, Q2_K / Q3_K / IQ4_XS -> IQ4_NL). Llama gets every type of FULL; every other family
-the types of SOME. llama.cpp runs from its own venv (bench/README.md); the suite only reads the
+Widths (tests/test_sources.py's `fixture_config`) are chosen so that the files hold what real
+ones do: 256-wide rows (the K-quants' super block) in the attention and up/gate projections and
+the tables, 320-wide rows (a multiple of 32, not of 256) in the down projections, where llama.cpp
+falls back (Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, IQ4_XS -> IQ4_NL; the Q2_K and Q3_K_M mixes
+to Q4_0 and Q5_0). Llama gets every type of FULL; every other family the types of SOME. llama.cpp runs from its own venv (bench/README.md); the suite only reads the
 files. manifest.json records each file's family, type, tensor types and the llama.cpp version.
 """
 
