@@ -173,7 +173,9 @@ def verify_summary(result: dict) -> str:
         lines.append(f"{c['level']:>14}: {status}  SQNR {c['sqnr_db']:.1f} dB (min "
                      f"{c['min_sqnr_db']:.0f}), top-1 {c['top1']:.3f} (min {c['min_top1']}), "
                      f"max abs {c['max_abs']:.3g}, max rel {c['max_rel']:.3g}, first divergence "
-                     f"{div}")
+                     f"{div}" + ("" if c.get("perplexity_ratio") is None else
+                                 f", perplexity {c['perplexity_ratio']:.3f}x fp32's (max "
+                                 f"{c['max_perplexity_ratio']}x)"))
         if c["note"]:
             lines.append(f"{'':>16}{c['note']}")
     if "perplexity" in result:

@@ -56,6 +56,9 @@ class Check:
     top1: float
     first_divergence: str | None  # "prompt i step j": the first differing greedy token
     note: str = ""
+    # the quantization check along the shipped text: its perplexity over fp32's, and the bound
+    perplexity_ratio: float | None = None
+    max_perplexity_ratio: float | None = None
 
 
 def prompts(vocab: int, longest: int, text: list[int] | None = None,
@@ -315,7 +318,7 @@ class Verification:
             # whose argmax a small error flips, which says little about the recipe
             on = ((f"along {len(self.text)} tokens of {TEXT.name}", [text_logits],
                    [self.ref_text]) if self.text else ("on the prompts", actual, self.ref))
-            checks.append(recipe_cost(cfg, level, *on))
+            checks.append(recipe_cost(cfg, level, *on, text=self.text))
         if cfg.kv_cache:
             checks.append(cache_cost(cfg, on[0], *self.cache_rows))
         result = {"passed": all(c.passed for c in checks), "steps": self.steps,
@@ -366,16 +369,26 @@ def kernel_rounding(check: Check, actual: list, expected: list, ref: list) -> Ch
     return replace(check, passed=close, note="; ".join(filter(None, [check.note, verdict + why])))
 
 
-def recipe_cost(cfg, level: str, on: str, actual: list, reference: list) -> Check:
+def recipe_cost(cfg, level: str, on: str, actual: list, reference: list,
+                text: list[int] | None = None) -> Check:
     """The quantization check: `level` (program or exported graph) against transformers in fp32,
-    within the recipe's bounds."""
+    within the recipe's bounds; along the shipped text (`text`: its ids, whose logits `actual`
+    and `reference` are), its perplexity too, as a ratio to fp32's."""
+    from dataclasses import replace
+
     from .quantize import accuracy_bounds
 
     recipe = "+".join(filter(None, [cfg.quantize, cfg.embedding_quantize and
                                     f"embeddings {cfg.embedding_quantize}",
                                     cfg.kv_cache and f"{cfg.kv_cache} KV cache"]))
-    return measure("quantization", actual, reference, accuracy_bounds(cfg),
-                   note=f"{recipe}: the {level} against transformers in fp32, {on}")
+    bounds = accuracy_bounds(cfg)
+    check = measure("quantization", actual, reference, bounds,
+                    note=f"{recipe}: the {level} against transformers in fp32, {on}")
+    if not text:
+        return check
+    ratio = perplexity(actual[0], text) / perplexity(reference[0], text)
+    return replace(check, passed=check.passed and ratio <= bounds[2],
+                   perplexity_ratio=round(ratio, 4), max_perplexity_ratio=bounds[2])
 
 
 def cache_cost(cfg, on: str, actual: list, float_cache: list) -> Check:

@@ -32,8 +32,11 @@ def test_xnnpack_recipe_runs_and_reports_its_accuracy(tiny_models, exported, rec
     checks, cost = cost_of(report)
     assert list(checks) == ["rewrite", "program", "quantization"] and report["verify"]["passed"]
     bounds = accuracy_bounds(ExportConfig(quantize=recipe, embedding_quantize=embedding))
-    assert (cost["min_sqnr_db"], cost["min_top1"]) == bounds
+    assert (cost["min_sqnr_db"], cost["min_top1"], cost["max_perplexity_ratio"]) == bounds
     assert cost["sqnr_db"] >= bounds[0] and cost["top1"] >= bounds[1]
+    ppl = report["verify"]["perplexity"]
+    assert cost["perplexity_ratio"] == pytest.approx(
+        ppl["program"] / ppl["transformers_fp32"], rel=1e-3) and cost["perplexity_ratio"] <= bounds[2]
     assert cost["sqnr_db"] < checks["program"]["sqnr_db"]  # quantization is the larger error
     ppl = report["verify"]["perplexity"]
     assert ppl["tokens"] == 32 and 1 < ppl["program"] < 2 * ppl["transformers_fp32"]
@@ -103,10 +106,38 @@ def test_impossible_recipes_are_refused_before_any_work(tiny_models, tmp_path, k
     assert not (tmp_path / "q").exists()
 
 
-def test_bounds_of_a_combined_recipe_are_the_looser_ones_loosened():
+def test_bounds_of_a_combined_recipe_are_the_looser_ones_and_no_looser():
+    """Each bound is the loosest of the recipes that apply (SQNR and top-1 the least, the
+    perplexity ratio the largest); combining recipes loosens nothing further."""
     both = ExportConfig(quantize="8da8w", embedding_quantize="4,32")
-    assert accuracy_bounds(both) == (12.0, 0.65)
-    assert accuracy_bounds(dataclasses.replace(both, embedding_quantize=None)) == (20.0, 0.8)
+    assert accuracy_bounds(both) == (15.0, 0.7, 1.10)
+    assert accuracy_bounds(dataclasses.replace(both, embedding_quantize=None)) == (15.0, 0.8,
+                                                                                   1.10)
+    assert accuracy_bounds(dataclasses.replace(both, quantize="8da4w")) == (10.0, 0.6, 1.25)
+
+
+def test_a_recipe_that_costs_too_much_perplexity_fails_within_its_sqnr_and_top1():
+    """The perplexity ratio along the shipped text decides beside SQNR and top-1: logits 0.7
+    times as sharp keep every argmax (top-1 1.0) and 10.5 dB of SQNR, within 8da4w's 10 dB, yet
+    the text's perplexity rises half as much again; the check fails on that ratio alone and says
+    by how much."""
+    from edgellm.report import verify_summary
+    from edgellm.verification import perplexity, recipe_cost
+
+    torch.manual_seed(0)
+    text = torch.randint(0, 50, (33,)).tolist()
+    reference = torch.randn(32, 50)
+    reference[torch.arange(32), torch.tensor(text[1:])] += 6  # a model that predicts the text
+    cfg = ExportConfig(quantize="8da4w")
+    close = recipe_cost(cfg, "program", "along the text", [reference * 1.01], [reference], text)
+    assert close.passed and close.perplexity_ratio == pytest.approx(
+        perplexity(reference * 1.01, text) / perplexity(reference, text), rel=1e-3)
+    flat = reference * 0.7
+    far = recipe_cost(cfg, "program", "along the text", [flat], [reference], text)
+    assert far.top1 == 1.0 and far.sqnr_db >= 10.0 and far.perplexity_ratio > 1.25
+    assert not far.passed
+    line = verify_summary({"checks": [dataclasses.asdict(far)]})
+    assert f"perplexity {far.perplexity_ratio:.3f}x fp32's (max 1.25x)" in line
 
 
 def test_linears_a_group_does_not_divide_are_reported_and_named(tiny_models, tmp_path, capsys):
