@@ -22,7 +22,7 @@ FILES = sorted(MANIFEST["files"])
 LLAMACPP_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K_M", "Q4_K_S", "Q4_K_M",
                   "Q5_K_M", "Q6_K", "IQ4_NL", "IQ4_XS", "F16", "BF16")
 EXPORTED = ("llama-Q4_K_M.gguf", "llama-Q8_0.gguf", "llama-IQ4_XS.gguf", "llama-F16.gguf",
-            "gemma3_text-Q4_K_M.gguf", "qwen3_moe-Q4_K_M.gguf")
+            "gemma3_text-Q4_K_M.gguf")
 
 
 def test_the_files_hold_what_llamacpp_writes_for_real_models():
@@ -158,6 +158,8 @@ def test_a_float_export_of_a_llamacpp_file_generates_transformers_tokens(tmp_pat
     ("llama-F16.gguf", "xnnpack", [], ("fp16", None, None, None)),
     ("llama-BF16.gguf", "coreml", [], ("bf16", None, None, None)),
     ("llama-Q4_0.gguf", "vulkan", [], ("fp32", None, None, None)),
+    # a quantized table beside experts lowered a delegate apiece fails to export: float there
+    ("qwen3_moe-Q4_K_M.gguf", "xnnpack", [], ("fp32", "8da4w", 32, None)),
 ])
 def test_the_file_s_storage_picks_the_default_recipe(name, backend, overrides, expected):
     """With no dtype or recipe given, the file's storage types choose: mostly 4-bit linears the
