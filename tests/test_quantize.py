@@ -244,6 +244,35 @@ def test_4bit_recipes_keep_a_gguf_grid_and_what_the_file_spared(recipe):
     assert any("keep the source's 4-bit grid exactly" in line for line in done.notes())
 
 
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K"])
+def test_a_table_on_a_4bit_grid_keeps_it_exactly(kind):
+    """A table the file stored on a 4-bit grid, asked at 4 bits in blocks of 32 beside a
+    separate head, looks up exactly the file's rows (Q4_0's blocks through zero either way up,
+    Q4_1's and Q4_K's with their float minimum: ExecuTorch's 4-bit embedding takes float zero
+    points); a table stored at 8 bits gets the min/max grid as before."""
+    from torch import nn
+
+    width = 512 if kind == "Q4_K" else 96
+    for table_kind in (kind, "Q8_0"):
+        model = nn.Module()
+        model.embed_tokens, model.lm_head = nn.Embedding(100, width), nn.Linear(width, 100)
+        original = gguf_weight((100, width), table_kind)
+        model.embed_tokens.weight.data = original.clone()
+        stored = {"embed_tokens.weight": table_kind, "lm_head.weight": "Q6_K"}
+        done = quantize(model, ExportConfig(quantize="8da4w", group_size=32,
+                                            embedding_quantize="4,32"), stored)
+        rows = model.embed_tokens(torch.arange(100))
+        became = done.report()["from_source"][table_kind]
+        if table_kind == kind:
+            assert became == {"table 4-bit, the file's grid kept": 1}
+            assert done.report()["table_on_source_grid"] is True
+            torch.testing.assert_close(rows, original, rtol=0, atol=1e-6)
+        else:
+            assert became == {"table 4-bit in groups of 32": 1}
+            assert "table_on_source_grid" not in done.report()
+            assert (rows - original).abs().max() > 1e-3
+
+
 def test_a_head_tied_to_a_spared_table_gets_8_bits_with_it():
     """Core ML's build keeps a tied head as the embedding table itself: where the file stored that
     table above 4 bits, a 4-bit recipe quantizes the table to 8 bits per row (the head multiplies

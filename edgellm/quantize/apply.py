@@ -11,7 +11,7 @@ from torch import nn
 from .. import patches
 from ..memory import drop_checkpoint_pages
 from .experts import quantize_experts
-from .grid import keep_grids, packed_bytes
+from .grid import GRID_BLOCK, GRID_TYPES, grid_table, keep_grids, packed_bytes
 from .plan import Plan, embedding_name, plan
 from .recipes import SPARED_BITS, torchao_config
 
@@ -32,6 +32,7 @@ class Quantized:
     linears_quantized: int = 0
     linears_left_float: list = field(default_factory=list)  # inputs the group does not divide
     linears_on_source_grid: int = 0  # 4-bit grids kept exactly (GGUF Q4_0 / Q4_1 / Q4_K)
+    table_on_source_grid: bool = False  # the table's 4-bit grid kept exactly
     linears_at_8_bits: list = field(default_factory=list)  # the source stores them above 4 bits
     expert_blocks_packed: int = 0  # sparse blocks whose experts were quantized
     experts: str | None = None  # how they run: "op", "chosen" or "every" (config.experts)
@@ -42,7 +43,8 @@ class Quantized:
 
     def report(self) -> dict:
         return {k: v for k, v in asdict(self).items() if k not in ("bytes_saved", "patches")
-                and (v or k not in ("expert_blocks_packed", "experts"))}  # mixture of experts
+                and (v or k not in ("expert_blocks_packed", "experts",  # mixture of experts
+                                    "table_on_source_grid"))}
 
     def notes(self) -> list[str]:
         """Lines for stderr: linears left in float (a warning), grids kept, 8-bit exceptions."""
@@ -87,13 +89,15 @@ def quantize(model, cfg, stored: dict | None = None,
                      linears_at_8_bits=list(todo.at_8_bits),
                      embeddings_stored_as=todo.embeddings_stored_as)
     if todo.embedding is not None:
-        done.bytes_saved += _quantize_tables(model, todo)
+        saved, done.table_on_source_grid = _quantize_tables(model, todo)
+        done.bytes_saved += saved
     if todo.recipe is None:
         return done
     done.patches = patches.apply(QUANTIZE_PATCHES)
     kept = keep_grids(model, todo.grids, todo.dynamic) if todo.grids else []
     done.linears_on_source_grid = len(kept)
-    done.from_source = _from_source(todo, {name for name, _ in kept})
+    done.from_source = _from_source(todo, {name for name, _ in kept}
+                                    | ({"embedding"} if done.table_on_source_grid else set()))
     done.bytes_saved += sum(saved for _, saved in kept) + _quantize_linears(model, todo)
     done.linears_quantized = len(todo.linears)
     if todo.experts:
@@ -113,7 +117,8 @@ def _from_source(todo: Plan, kept: set) -> dict:
     for name, kind in todo.source_types.items():
         if name == "embedding":
             bits, group = todo.embedding or (None, None)
-            to = "table float" if bits is None else f"table {_form(bits, group)}"
+            to = ("table float" if bits is None else "table 4-bit, the file's grid kept"
+                  if name in kept else f"table {_form(bits, group)}")
         elif name in kept:
             to = "4-bit, the file's grid kept"
         elif name in todo.linears:
@@ -129,18 +134,27 @@ def _form(bits: int, group: int) -> str:
     return f"{bits}-bit " + ("per channel" if group == 0 else f"in groups of {group}")
 
 
-def _quantize_tables(model, todo: Plan) -> int:
-    """The embedding tables at the plan's (bits, group), weight-only, min/max scales; returns the
-    bytes a decode step saves (those of the head, where the head is the table)."""
+def _quantize_tables(model, todo: Plan) -> tuple[int, bool]:
+    """The embedding tables at the plan's (bits, group), weight-only: a table the source stored
+    on a 4-bit grid, asked at 4 bits in its blocks, keeps that grid exactly (grid.grid_table);
+    others get min/max scales. Returns the bytes a decode step saves (those of the head, where
+    the head is the table) and whether the source's grid was kept."""
     from torchao.quantization import quantize_
 
     bits, group = todo.embedding
-    table = model.get_submodule(embedding_name(model)).weight
+    module = model.get_submodule(embedding_name(model))
+    table = module.weight
     saved = table.numel() * table.element_size() - packed_bytes(table, bits, group)
+    saved = saved if todo.head_in_table else 0
+    if (bits, group) == (4, GRID_BLOCK) and todo.source_types.get("embedding") in GRID_TYPES:
+        kept = grid_table(table)
+        if kept is not None and not todo.head_in_table:  # a head applies it as a weight
+            module.weight = nn.Parameter(kept, requires_grad=False)
+            return saved, True
     quantize_(model, torchao_config(bits, group, dynamic=False, algorithm="affine"),
               filter_fn=lambda m, fqn: isinstance(m, nn.Embedding) and (
                   group == 0 or m.embedding_dim % group == 0))
-    return saved if todo.head_in_table else 0
+    return saved, False
 
 
 def _quantize_linears(model, todo: Plan) -> int:

@@ -6,7 +6,9 @@ levels. torchao's `SYMMETRIC_NO_CLIPPING_ERR` scale (max(-min/8, max/7)) is exac
 a symmetric -8..7 grid, so `quantize_` with the `affine` algorithm (not HQQ, which would move it)
 reproduces the codes. An offset grid (Q4_1's and Q4_K's float minimum, which integer zero points
 cannot hold, and XNNPACK's 4-bit weights have none) becomes a `GridLinear`: the codes' linear plus
-`offset(sums(x))`, two small linears XNNPACK takes (it has no `sum`).
+`offset(sums(x))`, two small linears XNNPACK takes (it has no `sum`). A table on such a grid
+keeps it as ExecuTorch's 4-bit embedding kernel reads it, whose zero points are float
+(`grid_table`).
 """
 
 from __future__ import annotations
@@ -116,3 +118,23 @@ def keep_grids(model, candidates, dynamic: bool) -> list[tuple[str, int]]:
             module = module.linear
         quantize_(module, exact, filter_fn=lambda m, f: isinstance(m, nn.Linear))
     return kept
+
+
+def grid_table(weight):
+    """A 4-bit table (vocab, dim) whose rows lie on a grid per block of GRID_BLOCK as
+    torchao's 4-bit tensor with the grid's step as scale and its offset as a float zero point
+    (ExecuTorch's `embedding_4bit` computes (code - zero point) * scale), so that every value is
+    the source's; None when the rows lie on no such grid."""
+    from torchao.quantization import IntxUnpackedToInt8Tensor
+
+    found = block_grid(weight)
+    if found is None:
+        return None
+    codes, offsets = found
+    rows, cols = codes.shape
+    blocks = codes.view(rows, cols // GRID_BLOCK, GRID_BLOCK)
+    step = torch.maximum(-blocks.amin(-1) / 8, blocks.amax(-1) / 7)  # as block_grid's codes
+    step = torch.where(step > 0, step, torch.ones_like(step))  # a block of one value: code 0
+    qdata = (blocks / step[..., None]).round().clamp(-8, 7).to(torch.int8).view(rows, cols)
+    return IntxUnpackedToInt8Tensor(qdata, step.to(weight.dtype), (-offsets / step).to(weight.dtype),
+                                    torch.int4, (1, GRID_BLOCK), weight.dtype, None)
