@@ -60,13 +60,15 @@ PERMUTED = ("llama", "granite", "smollm3")  # llama.cpp's LlamaModel and its sub
 
 
 def write_gguf(hf, tokenizer_json, path, quantized: dict | None = None,
-               eot: int | None = None, chat_template: str | None = None) -> None:
+               eot: int | None = None, chat_template: str | None = None,
+               pre: str = "qwen2") -> None:
     """A tiny model as llama.cpp's converter (conversion/*.py) writes it: tensors under gguf's
     names (`quantized`: HF name -> (raw bytes, GGML type) to store instead of F32), q and k rows
     permuted for the llama-derived families, Gemma's norms as 1 + w, LFM2's kernels squeezed,
     Llama 3's and Phi-3's RoPE factors as tensors, experts stacked per layer as
     `ffn_{gate,up,down}_exps` and LFM2-MoE's expert bias as `exp_probs_b.bias`; each family's
-    metadata keys; the byte-level BPE tokenizer as a gpt2 vocabulary with merges."""
+    metadata keys; the byte-level BPE tokenizer as a gpt2 vocabulary with merges, split as
+    llama.cpp's pre-tokenizer `pre` splits."""
     import gguf
     import numpy as np
 
@@ -123,7 +125,7 @@ def write_gguf(hf, tokenizer_json, path, quantized: dict | None = None,
     vocab = dict(tok["model"]["vocab"]) | {t["content"]: t["id"] for t in tok["added_tokens"]}
     special = {t["id"] for t in tok["added_tokens"]}
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
+    w.add_tokenizer_pre(pre)
     w.add_token_list(sorted(vocab, key=vocab.get))
     w.add_token_types([gguf.TokenType.CONTROL if i in special else gguf.TokenType.NORMAL
                        for i in range(len(vocab))])

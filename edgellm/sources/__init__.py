@@ -39,7 +39,8 @@ def load_source(model: str | None, params: str | None = None, model_class: str |
     """Open a model: a Hugging Face folder, a .gguf file, an ExecuTorch .pth state dict (described
     by `params`, an ExecuTorch params JSON), or None for the embedded default. `model_class` (an
     ExecuTorch model class name) must agree with the model; `tokenizer` replaces its tokenizer."""
-    source = _open(default_model_path() if not model else Path(model), params, model_class)
+    source = _open(default_model_path() if not model else Path(model), params, model_class,
+                   tokenizer is None)
     if model_class is not None:
         check_model_class(model_class, source.hf_config.model_type)
     if params is not None and Path(model or "").is_dir():
@@ -63,7 +64,8 @@ def storage_kinds(model: str | None) -> dict | None:
     return gguf_kinds(path)
 
 
-def _open(path: Path, params: str | None, model_class: str | None) -> Source:
+def _open(path: Path, params: str | None, model_class: str | None,
+          own_tokenizer: bool) -> Source:
     if path.is_file() and path.suffix.lower() in (".pth", ".pt"):
         from .executorch import load_executorch
 
@@ -79,7 +81,7 @@ def _open(path: Path, params: str | None, model_class: str | None) -> Source:
     if path.is_file() and path.suffix.lower() == ".gguf":
         from .gguf import load_gguf
 
-        return load_gguf(path)
+        return load_gguf(path, tokenizer=own_tokenizer)
     kinds = "a Hugging Face folder (config.json + *.safetensors), a .gguf file or a .pth file"
     if not path.exists():
         raise InputError(f"Model path {path} does not exist. Give {kinds}.")

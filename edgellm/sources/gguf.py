@@ -10,7 +10,8 @@ none), then the layout's `fix` restores what llama.cpp keeps in code or in tenso
 converter did undone by transformers' tensor processors (q/k row permutation where the layout
 says so, Gemma's norms stored as 1 + w, LFM2's squeezed kernels). Each weight's storage type
 (`Q4_1`, `Q8_0`, ...) is kept: recipes read it to keep the file's own grids and precision choices
-(quantize/plan.py, quantize/grid.py)."""
+(quantize/plan.py, quantize/grid.py). The tokenizer, BOS and the ids generation ends at are
+llama.cpp's, from gguf_tokenizer.py."""
 
 from __future__ import annotations
 
@@ -34,19 +35,6 @@ COMMON_KEYS = {"context_length": "max_position_embeddings", "block_count": "num_
                "attention.layer_norm_rms_epsilon": "rms_norm_eps"}
 
 
-def _pre_tokenizer_fix(kind: str):
-    """transformers maps some llama.cpp pre-tokenizers to plain GPT-2 byte-level splitting.
-    llama.cpp's `smollm` isolates every digit first; without this, non-ASCII numerals tokenize
-    differently from llama.cpp."""
-    from tokenizers import pre_tokenizers
-
-    if kind == "smollm":
-        return pre_tokenizers.Sequence([
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)])
-    return None
-
-
 def _unreadable(path: Path, e: Exception) -> InputError:
     return InputError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e}). It is "
                       "damaged or not a GGUF file: download it again.")
@@ -57,10 +45,13 @@ def _truncated(path: Path, name: str, end: int, size: int) -> InputError:
                       f"the file holds {size:,} bytes. Download it again.")
 
 
-def load_gguf(path: Path) -> Source:
+def load_gguf(path: Path, tokenizer: bool = True) -> Source:
+    """The model in the GGUF at `path`; its tokenizer as llama.cpp runs it (gguf_tokenizer.py),
+    checked before the weights are read unless `tokenizer` is False (another replaces it)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from ..architectures.registry import for_gguf
+    from .gguf_tokenizer import gguf_tokenizer
 
     reader = _reader(path)
     metadata = _metadata(reader)
@@ -69,6 +60,7 @@ def load_gguf(path: Path) -> Source:
                          "llama.cpp's converter, or is damaged.")
     arch = metadata["general.architecture"]
     found = for_gguf(arch, path)  # refused by name before anything else is read
+    tokens = gguf_tokenizer(path, check=tokenizer)  # bos and stop ids; built when asked for
     layout = found.gguf
     tensors = {info.name: info for info in reader.tensors}
     names = tuple(tensors)
@@ -98,21 +90,9 @@ def load_gguf(path: Path) -> Source:
         for name, tensor in zip(wanted, pool.map(weight, wanted)):
             state[hf_names[name]] = tensor
             stored[hf_names[name]] = tensors[name].tensor_type.name
-    converted = functools.cache(functools.partial(_tokenizer, path,
-                                                  metadata.get("tokenizer.ggml.pre") or ""))
-
-    def write_tokenizer(out: Path) -> bool:
-        converted().save_pretrained(str(out))
-        return (out / "tokenizer.json").is_file()
-
-    # end of sequence, of turn and of message (llama.cpp's chat stops at each): the program's
-    stops = (metadata.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom"))
     return Source(hf_config=cfg, state_dict=state, origin=str(path),
-                  write_tokenizer=write_tokenizer,
-                  tokenizer=lambda: converted().backend_tokenizer,
-                  bos_id=metadata.get("tokenizer.ggml.bos_token_id"),
-                  eos_ids=tuple(dict.fromkeys(int(i) for i in stops if i is not None)),
-                  stored_types=stored)
+                  write_tokenizer=tokens.write, tokenizer=tokens.tokenizer,
+                  bos_id=tokens.bos_id, eos_ids=tokens.eos_ids, stored_types=stored)
 
 
 def storage_kinds(path: Path) -> dict:
@@ -276,20 +256,6 @@ def _dequantize(rows: np.ndarray, kind) -> np.ndarray:
     for i in range(0, rows.shape[0], step):
         out[i:i + step] = quant.dequantize_rows(rows[i:i + step])
     return out
-
-
-def _tokenizer(path: Path, pre: str):
-    """The file's tokenizer as transformers converts it (it walks the vocabulary: called once)."""
-    from transformers import PreTrainedTokenizerFast
-    from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
-
-    family, vocabulary, settings = get_gguf_tokenizer(str(path))
-    fast, extra = convert_gguf_tokenizer(family, vocabulary)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=fast, **settings, **extra)
-    fix = _pre_tokenizer_fix(pre)
-    if fix is not None:
-        tokenizer.backend_tokenizer.pre_tokenizer = fix
-    return tokenizer
 
 
 def _config(found, metadata: dict, names: tuple, values) -> dict:
