@@ -1,18 +1,21 @@
 """Export cost per stage, model x recipe x backend, in one run: each export in its own process,
 one after another, so that the host's drift touches every row alike.
 
-usage: python bench/export_matrix.py OUTDIR [--models smollm2 lfm2.5-350m=DIR qwen3-0.6b=DIR]
-                                            [--recipes fp32 8da4w] [--backends xnnpack coreml]
-                                            [--verify] [--sha]
+usage: python bench/export_matrix.py OUTDIR [--models smollm2 lfm2.5-350m=DIR q4km=FILE.gguf]
+                                            [--recipes fp32 8da4w default]
+                                            [--backends xnnpack coreml] [--verify] [--sha]
 
 `smollm2` is the embedded SmolLM2-135M GGUF (8da4w with its `--embedding-quantize 4,32`, as the
 README's recipe); NAME=DIR any Hugging Face folder (LFM2.5-350M: ../shared/bench/anchor.sh's
-OUTDIR/hf; Qwen3-0.6B: bench/make_checkpoint.py on bench/params/). Core ML rows are fp32 only
-(its quantized recipes are weight-only). Each row: the process's wall time from outside (imports
-included), the report's wall time, peak RSS and stages, the program's size; `--sha` adds its
-sha256 (to show a change left the bytes alone). A program that fails a verification check
-(random weights at 4 bits fail the recipe's accuracy bound) keeps its row, marked. A table, then
-one JSON object per row.
+OUTDIR/hf; Qwen3-0.6B: bench/make_checkpoint.py on bench/params/); NAME=FILE.gguf any GGUF.
+`default` is no recipe at all (a GGUF keeps its own quantization), on every backend; `fp32` asks
+for `--dtype fp32`. Core ML takes no other recipe (its quantized recipes are weight-only). Each
+row: the process's wall time from outside (imports included), the report's wall time, peak RSS
+and stages, the program's size; `--sha` adds its sha256 (to show a change left the bytes alone).
+A GGUF row also gets its peak against 3x the file's bytes plus the toolchain's fixed cost: the
+peak of the same export of tests/data/gguf/llama-Q4_K_M.gguf (a 1 MB file), run first. A program
+that fails a verification check (random weights at 4 bits fail the recipe's accuracy bound)
+keeps its row, marked. A table, then one JSON object per row.
 """
 
 from __future__ import annotations
@@ -26,11 +29,14 @@ import time
 from pathlib import Path
 
 EDGELLM = [str(Path(sys.executable).parent / "edgellm")]  # the venv's command
+FIXED = Path(__file__).parent.parent / "tests" / "data" / "gguf" / "llama-Q4_K_M.gguf"
 
 
 def recipe_args(model: str, recipe: str, backend: str) -> list[str] | None:
-    if recipe == "fp32":
+    if recipe == "default":
         return []
+    if recipe == "fp32":
+        return ["--dtype", "fp32"]
     if backend != "xnnpack":
         return None
     return ["--quantize", recipe] + (["--embedding-quantize", "4,32"] if model == "smollm2" else [])
@@ -66,6 +72,13 @@ def export(name: str, source: str | None, recipe: str, backend: str, out: Path, 
     return row
 
 
+def bound(row: dict) -> str:
+    if "peak_bound_mb" not in row:
+        return ""
+    return (f" ({'within' if row['peak_within_bound'] else 'OVER'} {row['peak_bound_mb']}: "
+            f"3 x {row['gguf_mb']} + {row['fixed_cost_mb']})")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("out")
@@ -77,22 +90,32 @@ def main(argv=None):
     a = p.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    rows = []
+    rows, fixed = [], {}
     for spec in a.models:
         name, _, source = spec.partition("=")
         for backend in a.backends:
             for recipe in a.recipes:
+                gguf = source.endswith(".gguf")
+                if gguf and (backend, recipe) not in fixed:
+                    first = export("fixed-cost", str(FIXED), recipe, backend, out, False, False)
+                    fixed[backend, recipe] = first and first.get("peak_rss_mb")
                 row = export(name, source or None, recipe, backend, out, a.verify, a.sha)
+                if row and gguf and row.get("peak_rss_mb") and fixed[backend, recipe]:
+                    file_mb = Path(source).stat().st_size / 2**20
+                    row.update(gguf_mb=round(file_mb, 1), fixed_cost_mb=fixed[backend, recipe],
+                               peak_bound_mb=round(3 * file_mb + fixed[backend, recipe]))
+                    row["peak_within_bound"] = row["peak_rss_mb"] <= row["peak_bound_mb"]
                 if row:
                     rows.append(row)
                     print(json.dumps(row), file=sys.stderr, flush=True)
-    print("| model | recipe | backend | wall s (process) | peak MB | stages s | .pte MB |")
+    print("| model | recipe | backend | wall s (process) | peak MB (bound: 3x GGUF + fixed) | "
+          "stages s | .pte MB |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         stages = ", ".join(f"{k} {v}" for k, v in r.get("stages", {}).items())
         print(f"| {r['model']} | {r['recipe']} | {r['backend']} | {r.get('export_wall_s')} "
               f"{'(' + r['verified'] + ') ' if 'verified' in r else ''}"
-              f"({r['process_wall_s']}) | {r.get('peak_rss_mb')} | {stages or r.get('error')} | "
+              f"({r['process_wall_s']}) | {r.get('peak_rss_mb')}{bound(r)} | {stages or r.get('error')} | "
               f"{r.get('pte_mb')} |")
     for r in rows:
         print(json.dumps(r))
