@@ -186,10 +186,7 @@ def file_recipe(kinds: dict, backend, bits: int | None = None) -> dict:
         return {}
     out = {"quantize": recipe, "group_size": 32 if want == 4 else 0}
     table = kinds.get("embedding")
-    experts = any("_exps." in name for name in kinds)  # a quantized table beside experts lowered
-    # a delegate apiece fails to export (a lowered module goes missing): the table stays float
-    if backend.quantized_embeddings and table and stored_bits(table[0]) not in (None, 32) \
-            and not experts:
+    if backend.quantized_embeddings and table and stored_bits(table[0]) not in (None, 32):
         # a tied table that the backend also writes as a separate head is stored twice: the
         # lookups take 4 bits and the head keeps the file's 8 (plan.py)
         twice = "output.weight" not in kinds and backend.writing.get("separate_head")
