@@ -17,7 +17,8 @@ import pytest
 
 from edgellm.errors import InputError
 from edgellm.sources import load_source
-from edgellm.sources.gguf_tokenizer import PRE_TOKENIZERS, gguf_tokenizer
+from edgellm.sources.gguf import tokenizer_of
+from edgellm.sources.gguf_tokenizer import PRE_TOKENIZERS
 
 FIXTURES = Path(__file__).parent / "data" / "gguf_tokenizers"
 MANIFEST = json.loads((FIXTURES / "manifest.json").read_text())
@@ -32,7 +33,7 @@ def built(name: str, out: Path):
     file's number of tokens and chat template (read by the reader the tokenizer was read with)."""
     from edgellm.sources.gguf import _reader
 
-    tokens = gguf_tokenizer(FIXTURES / name)
+    tokens = tokenizer_of(FIXTURES / name)
     fields = _reader(FIXTURES / name).fields
     out.mkdir(parents=True, exist_ok=True)
     assert tokens.write(out)
@@ -116,7 +117,7 @@ def test_chat_renders_the_file_s_template_into_llamacpp_s_ids(name, files):
 def test_a_gguf_model_loads_the_tokenizer_this_builds():
     """load_source on a GGUF gives the tokenizer, BOS and stops tested above."""
     path = Path(__file__).parent / "data" / "gguf" / "llama-Q4_K_M.gguf"
-    source, tokens = load_source(str(path)), gguf_tokenizer(path)
+    source, tokens = load_source(str(path)), tokenizer_of(path)
     assert source.tokenizer().to_str() == tokens.tokenizer().to_str()
     assert (source.bos_id, source.eos_ids) == (tokens.bos_id, tokens.eos_ids)
 
@@ -149,7 +150,7 @@ def vocab_only(path: Path, model: str, pre: str | None) -> Path:
 ])
 def test_a_tokenizer_llamacpp_s_rules_here_do_not_cover_is_refused(tmp_path, model, pre, message):
     with pytest.raises(InputError, match=message):
-        gguf_tokenizer(vocab_only(tmp_path / "odd.gguf", model, pre))
+        tokenizer_of(vocab_only(tmp_path / "odd.gguf", model, pre))
 
 
 def test_an_unknown_pre_tokenizer_is_refused_before_the_weights_unless_replaced(tiny_models,

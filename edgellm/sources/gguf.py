@@ -60,7 +60,7 @@ def load_gguf(path: Path, tokenizer: bool = True) -> Source:
                          "llama.cpp's converter, or is damaged.")
     arch = metadata["general.architecture"]
     found = for_gguf(arch, path)  # refused by name before anything else is read
-    tokens = gguf_tokenizer(path, check=tokenizer)  # bos and stop ids; built when asked for
+    tokens = gguf_tokenizer(path, reader.fields, check=tokenizer)  # built when asked for
     layout = found.gguf
     tensors = {info.name: info for info in reader.tensors}
     names = tuple(tensors)
@@ -93,6 +93,14 @@ def load_gguf(path: Path, tokenizer: bool = True) -> Source:
     return Source(hf_config=cfg, state_dict=state, origin=str(path),
                   write_tokenizer=tokens.write, tokenizer=tokens.tokenizer,
                   bos_id=tokens.bos_id, eos_ids=tokens.eos_ids, stored_types=stored)
+
+
+def tokenizer_of(path: Path, check: bool = True):
+    """The tokenizer of the GGUF at `path` as llama.cpp runs it (gguf_tokenizer.py), its
+    metadata read with the file's cached reader."""
+    from .gguf_tokenizer import gguf_tokenizer
+
+    return gguf_tokenizer(path, _reader(path).fields, check)
 
 
 def storage_kinds(path: Path) -> dict:

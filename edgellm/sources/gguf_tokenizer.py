@@ -37,17 +37,19 @@ from pathlib import Path
 
 from ..errors import InputError
 
-LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-          r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-         r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+BY_WORD_3_DIGITS = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+BY_WORD_1_DIGIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                   r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _UPPER, _LOWER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]", r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
 _ENDINGS = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-GPT4O = (rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+{_ENDINGS}"
-         rf"|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*{_ENDINGS}"
-         r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-TEKKEN = (rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*"
-          r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+BY_CASE_3_DIGITS = (rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+{_ENDINGS}"
+                    rf"|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*{_ENDINGS}"
+                    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+BY_CASE_1_DIGIT = (rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+"
+                   rf"|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*"
+                   r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+DIGIT = r"\p{N}"  # each digit apart
 GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 
 
@@ -67,14 +69,14 @@ def _names(names: str, pre: Pre) -> dict:
 
 PRE_TOKENIZERS = {
     **_names("llama3 llama-v3 llama-bpe falcon3 falcon-h1 pixtral midm-2.0 lfm2 jina-v5-nano",
-             Pre((LLAMA3,), ignore_merges=True, add_bos=True)),
-    **_names("dbrx smaug-bpe", Pre((LLAMA3,))),
+             Pre((BY_WORD_3_DIGITS,), ignore_merges=True, add_bos=True)),
+    **_names("dbrx smaug-bpe", Pre((BY_WORD_3_DIGITS,))),
     **_names("qwen2 deepseek-r1-qwen kormo f2llmv2 megrez stablelm2 hunyuan solar-open",
-             Pre((QWEN2,))),
-    **_names("gpt-4o llama4 kanana2 talkie minimax-m2", Pre((GPT4O,))),
-    "tekken": Pre((TEKKEN,), ignore_merges=True, add_bos=True),
+             Pre((BY_WORD_1_DIGIT,))),
+    **_names("gpt-4o llama4 kanana2 talkie minimax-m2", Pre((BY_CASE_3_DIGITS,))),
+    "tekken": Pre((BY_CASE_1_DIGIT,), ignore_merges=True, add_bos=True),
     **_names("starcoder refact command-r smollm codeshell exaone minerva-7b mellum2",
-             Pre((r"\p{N}", GPT2))),
+             Pre((DIGIT, GPT2))),
 }
 
 # the texts of the tokens llama.cpp ends generation at, and of FIM pad, repo and file separator
@@ -85,7 +87,11 @@ EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<
 FIM_TEXTS = {"fim_pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
              "fim_rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
              "fim_sep": ("<|file_sep|>",)}
-KINDS = ("gpt2", "llama")  # byte-level BPE, SentencePiece
+# tokenizer.ggml.model of a byte-level BPE file and of a SentencePiece one (llama.cpp's names)
+KINDS = tuple("gpt2 llama".split())
+BPE, SPM = KINDS
+# what general.name holds in the files whose added tokens llama.cpp strips whitespace after
+STRIPPING_NAMES = tuple("phi-3 phi3".split())
 
 
 @dataclass(frozen=True)
@@ -97,7 +103,7 @@ class Settings:
     space_prefix: bool
     add_bos: bool
     add_eos: bool
-    phi3: bool  # whitespace after added tokens stripped
+    strip_after_added: bool  # whitespace after added tokens stripped
 
 
 @dataclass
@@ -123,29 +129,26 @@ class GgufTokenizer:
         return (out / "tokenizer.json").is_file()
 
 
-def gguf_tokenizer(path: Path, check: bool = True) -> GgufTokenizer:
-    """The tokenizer of the GGUF at `path` (its metadata read with the file's cached reader);
+def gguf_tokenizer(path: Path, fields, check: bool = True) -> GgufTokenizer:
+    """The tokenizer of the GGUF at `path`, whose metadata `fields` (gguf's reader's) hold;
     InputError for a tokenizer this module cannot build as llama.cpp runs it, at once with
     `check`, else when it is built."""
-    from .gguf import _reader
-
-    fields = _reader(path).fields
 
     def value(key: str, default=None):
         field = fields.get(f"tokenizer.ggml.{key}")
         return default if field is None else field.contents()
 
     kind, pre_name = value("model"), value("pre")
-    pre = PRE_TOKENIZERS.get(pre_name or "") if kind == "gpt2" else None
+    pre = PRE_TOKENIZERS.get(pre_name or "") if kind == BPE else None
     if check:
         _check(path, kind, pre_name, pre)
-    spm = kind == "llama"
+    spm = kind == SPM
     name = str(fields["general.name"].contents()).lower() if "general.name" in fields else ""
     bos = value("bos_token_id")
     add_bos = value("add_bos_token", spm or (pre is not None and pre.add_bos))
     settings = Settings(kind, pre_name, pre, spm and bool(value("add_space_prefix", True)),
                         bool(add_bos) and bos is not None, bool(value("add_eos_token", False)),
-                        "phi-3" in name or "phi3" in name)
+                        any(part in name for part in STRIPPING_NAMES))
     return GgufTokenizer(path, settings, bos, _stops(fields, value))
 
 
@@ -156,7 +159,7 @@ def _check(path: Path, kind, name, pre: Pre | None) -> None:
                          f"tokenizers llama.cpp calls {' and '.join(map(repr, KINDS))} "
                          "(byte-level BPE, SentencePiece). Pass the model's tokenizer.json from "
                          "its Hugging Face repository with --tokenizer.")
-    if kind == "gpt2" and pre is None:
+    if kind == BPE and pre is None:
         said = (f"is {name!r}, a pre-tokenizer edgellm does not know" if name and
                 name != "default" else "is missing or 'default' (llama.cpp then splits by its "
                 "fallback rules and warns that generation quality is degraded)")
@@ -196,15 +199,15 @@ def _spelled(field, texts) -> dict[str, list[int]]:
 
 def _convert(path: Path, settings: Settings):
     """transformers' conversion of the file, then llama.cpp's settings (module docstring)."""
-    from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers
+    from tokenizers import AddedToken, decoders, normalizers, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
     from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
 
     _check(path, settings.kind, settings.pre_name, settings.pre)
     arch, vocabulary, config = get_gguf_tokenizer(str(path))
-    spm = settings.kind == "llama"
+    spm = settings.kind == SPM
     # every SentencePiece file through transformers' plain builder: llama.cpp runs one algorithm
-    fast, extra = convert_gguf_tokenizer("llama" if spm else arch, vocabulary)
+    fast, extra = convert_gguf_tokenizer(SPM if spm else arch, vocabulary)
     fast = _file_tokens_only(fast, len(vocabulary["tokens"]))
     if spm:
         fast.normalizer = normalizers.Sequence(
@@ -215,10 +218,11 @@ def _convert(path: Path, settings: Settings):
             + [decoders.Strip(" ", 1, 0)] * settings.space_prefix)
     else:
         fast.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in settings.pre.splits]
+            [_split(r) for r in settings.pre.splits]
             + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
         fast.model.ignore_merges = settings.pre.ignore_merges
-    if settings.phi3:  # llama.cpp: RSTRIP on them all, </s> too, but not <unk>, <s>, <|endoftext|>
+    if settings.strip_after_added:  # llama.cpp: RSTRIP on them all, </s> too, but not <unk>,
+        # <s>, <|endoftext|>
         for t in fast.get_added_tokens_decoder().values():
             if t.content not in ("<unk>", "<s>", "<|endoftext|>"):
                 again = AddedToken(t.content, rstrip=True, lstrip=t.lstrip, normalized=False,
@@ -226,6 +230,17 @@ def _convert(path: Path, settings: Settings):
                 (fast.add_special_tokens if t.special else fast.add_tokens)([again])
     config.update(add_bos_token=settings.add_bos, add_eos_token=settings.add_eos)
     return PreTrainedTokenizerFast(tokenizer_object=fast, **config, **extra)
+
+
+def _split(expression: str):
+    """The pre-tokenizer that isolates each match of `expression`: `Digits` for single digits,
+    which is what ExecuTorch's C++ tokenizer (TextLLMRunner's) reads the same way (it gives no
+    tokens for a `Split` on \\p{N}), else a `Split`."""
+    from tokenizers import Regex, pre_tokenizers
+
+    if expression == DIGIT:
+        return pre_tokenizers.Digits(individual_digits=True)
+    return pre_tokenizers.Split(Regex(expression), behavior="isolated")
 
 
 def _file_tokens_only(fast, count: int):
