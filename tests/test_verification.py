@@ -147,3 +147,51 @@ def test_a_quantized_export_is_verified_on_the_model_it_quantized(tiny_models, e
                        backends=backend, max_seq_len=16, max_context_len=32, etrecord=True,
                        **options)
         assert (folder / "model.pte").read_bytes() == (tmp_path / "n" / "model.pte").read_bytes()
+
+
+def test_float_bounds_follow_the_model_s_sensitivity_to_rounding():
+    """A model whose logits are small differences of large activations (as a real model's
+    massive residual channels, normed away) amplifies fp32 rounding: its bounds drop below 60 dB
+    to what a correct fp32 program of it reaches, so that the same weights summed in another
+    order (another kernel) pass where 60 dB failed them, and weights 1% off still fail; a
+    well-conditioned model keeps 60 dB and top-1 1.0. Calibrated on the real SmolLM2:
+    BENCHMARKS.md."""
+    import torch
+    from torch import nn
+
+    from edgellm.numerics import compare
+    from edgellm.verification import THRESHOLDS, rounding_limits
+
+    def model(offset: float):
+        torch.manual_seed(0)
+        up, down = nn.Linear(16, 64), nn.Linear(64, 32, bias=False)
+        with torch.no_grad():
+            up.bias.fill_(offset)  # every channel rides on one large value
+            a = torch.randn(32, 32)  # which the next layer nearly cancels
+            down.weight.copy_(torch.cat([a, -a * (1 + 1e-4 * torch.randn(32, 32))], 1))
+        return nn.Sequential(up, down)
+
+    def reordered(net, x):  # each linear's two halves summed the other way round
+        for m in net:
+            k = m.in_features // 2
+            x = x[..., k:] @ m.weight[:, k:].T + x[..., :k] @ m.weight[:, :k].T + (
+                0 if m.bias is None else m.bias)
+        return x
+
+    inputs = [torch.randn(8, 16, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    with torch.no_grad():
+        calm = model(0.0)
+        clean = [calm(x) for x in inputs]
+        assert rounding_limits(calm, lambda m: [m(x) for x in inputs], clean, "fp32") == (
+            THRESHOLDS["fp32"], "")
+        loud = model(1e4)
+        clean = [loud(x) for x in inputs]
+        (min_sqnr, min_top1), note = rounding_limits(loud, lambda m: [m(x) for x in inputs],
+                                                      clean, "fp32")
+        assert min_sqnr < THRESHOLDS["fp32"][0] and "sensitivity to fp32 rounding" in note
+        correct = compare(torch.cat([reordered(loud, x) for x in inputs]), torch.cat(clean))
+        assert min_sqnr <= correct.sqnr_db < THRESHOLDS["fp32"][0]
+        assert correct.argmax_agree >= min_top1
+        loud[1].weight.mul_(1.01)
+        wrong = compare(torch.cat([loud(x) for x in inputs]), torch.cat(clean))
+        assert wrong.sqnr_db < min_sqnr
