@@ -136,5 +136,6 @@ def grid_table(weight):
     step = torch.maximum(-blocks.amin(-1) / 8, blocks.amax(-1) / 7)  # as block_grid's codes
     step = torch.where(step > 0, step, torch.ones_like(step))  # a block of one value: code 0
     qdata = (blocks / step[..., None]).round().clamp(-8, 7).to(torch.int8).view(rows, cols)
-    return IntxUnpackedToInt8Tensor(qdata, step.to(weight.dtype), (-offsets / step).to(weight.dtype),
-                                    torch.int4, (1, GRID_BLOCK), weight.dtype, None)
+    dtype = weight.dtype
+    return IntxUnpackedToInt8Tensor(qdata, step.to(dtype), (-offsets / step).to(dtype), torch.int4,
+                                    (1, GRID_BLOCK), dtype, None)
