@@ -95,7 +95,7 @@ def test_a_llamacpp_file_exports_in_its_own_quantization_and_verifies(name, tmp_
     and program checks: what the recipe costs against fp32 is measured on real weights, in
     BENCHMARKS.md), and the report says what each of the file's types became. Qwen3-MoE's
     experts run as a delegate apiece behind a torch.cond, its table quantized around them
-    (`exir.quant_fusion_in_branches`)."""
+    (`fusion.branch_delegates`)."""
     from conftest import SIZES
 
     from edgellm.errors import VerificationError
