@@ -14,7 +14,7 @@ import edgellm
 from conftest import SIZES
 from edgellm.config import ExportConfig
 from edgellm.quantize import accuracy_bounds, quantize
-from edgellm.quantize.grid import GRID_BLOCK, block_grid
+from edgellm.quantize.grid import GRID_BLOCK, block_grid, onto_q4_1
 from edgellm.quantize.plan import plan
 
 
@@ -204,9 +204,11 @@ def test_4bit_recipes_keep_a_gguf_grid_and_what_the_file_spared(recipe):
     """SmolLM2's GGUF as a separate head sees it: Q4_1 linears, a Q8_0 embedding and head, and a
     Q4_K_M file's Q5_0 (llama.cpp's stand-in for Q4_K where a row is not a multiple of 256) and
     Q6_K. A 4-bit recipe (XNNPACK's 8da4w, Core ML's weight-only 4w) defaults to the file's
-    blocks of 32, multiplies by exactly the file's 4-bit weights, takes 4 bits for the Q5_0 one,
-    keeps the Q6_K and Q8_0 linears at 8 bits even where 4 were asked, and gives the table the
-    4 bits asked (the head has its own 8); the report says what each file type became."""
+    blocks of 32, multiplies by exactly the file's 4-bit weights, puts the Q5_0 one on the Q4_1
+    grid the gguf package's quantizer gives it (nearer its weights than the symmetric grid HQQ
+    finds), keeps the Q6_K and Q8_0 linears at 8 bits even where 4 were asked, and gives the
+    table the 4 bits asked (the head has its own 8); the report says what each file type
+    became."""
     from torch import nn
 
     model = nn.Module()
@@ -224,10 +226,11 @@ def test_4bit_recipes_keep_a_gguf_grid_and_what_the_file_spared(recipe):
     assert done.report() == {
         "recipe": recipe, "group_size": 32, "linears_quantized": 5, "linears_left_float": [],
         "embeddings": "4,32", "embeddings_stored_as": None,
-        "linears_on_source_grid": 2, "linears_at_8_bits": ["q6_k", "lm_head"],
+        "linears_on_source_grid": 2, "linears_regridded": 1,
+        "linears_at_8_bits": ["q6_k", "lm_head"],
         "from_source": {"Q4_0": {"4-bit, the file's grid kept": 1},
                         "Q4_1": {"4-bit, the file's grid kept": 1},
-                        "Q5_0": {"4-bit in groups of 32": 1},
+                        "Q5_0": {"4-bit on Q4_1's grid": 1},
                         "Q6_K": {"8-bit per channel": 1},
                         "Q8_0": {"8-bit per channel": 1, "table 4-bit in groups of 32": 1}}}
     for name in ("q4_1", "q4_0"):
@@ -235,7 +238,14 @@ def test_4bit_recipes_keep_a_gguf_grid_and_what_the_file_spared(recipe):
                                    rtol=0, atol=1e-6)
     assert model.lm_head.weight.qdata.abs().max() > 8  # 8-bit codes
     assert model.q6_k.weight.qdata.abs().max() > 8
-    assert model.q5_0.weight.qdata.abs().max() <= 8 and model.q5_0.weight.qdata.min() >= -8
+    regridded = effective_weight(model.q5_0)
+    torch.testing.assert_close(regridded, onto_q4_1(originals["q5_0"]), rtol=0, atol=1e-6)
+    symmetric = nn.Linear(64, 96)
+    symmetric.weight.data = originals["q5_0"].clone()
+    quantize(symmetric, ExportConfig(quantize=recipe, group_size=32))  # HQQ, symmetric
+    error = [float((w - originals["q5_0"]).square().sum())
+             for w in (regridded, symmetric.weight.dequantize())]
+    assert error[0] < 0.8 * error[1], error
     assert model.embed_tokens.weight.qdata.abs().max() <= 8
     x = torch.randn(3, 64)
     close = dict(rtol=0.05, atol=0.05) if recipe == "8da4w" else {}  # 8-bit activations

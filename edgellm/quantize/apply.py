@@ -11,7 +11,7 @@ from torch import nn
 from .. import patches
 from ..memory import drop_checkpoint_pages
 from .experts import quantize_experts
-from .grid import GRID_BLOCK, GRID_TYPES, grid_table, keep_grids, packed_bytes
+from .grid import GRID_BLOCK, GRID_TYPES, REGRID_TYPE, grid_table, keep_grids, packed_bytes
 from .plan import Plan, embedding_name, plan
 from .recipes import SPARED_BITS, torchao_config
 
@@ -32,6 +32,7 @@ class Quantized:
     linears_quantized: int = 0
     linears_left_float: list = field(default_factory=list)  # inputs the group does not divide
     linears_on_source_grid: int = 0  # 4-bit grids kept exactly (GGUF Q4_0 / Q4_1 / Q4_K)
+    linears_regridded: int = 0  # stored on no 4-bit grid (Q5_0, IQ4_NL, ...): requantized to Q4_1
     table_on_source_grid: bool = False  # the table's 4-bit grid kept exactly
     linears_at_8_bits: list = field(default_factory=list)  # the source stores them above 4 bits
     expert_blocks_packed: int = 0  # sparse blocks whose experts were quantized
@@ -44,7 +45,7 @@ class Quantized:
     def report(self) -> dict:
         return {k: v for k, v in asdict(self).items() if k not in ("bytes_saved", "patches")
                 and (v or k not in ("expert_blocks_packed", "experts",  # mixture of experts
-                                    "table_on_source_grid"))}
+                                    "table_on_source_grid", "linears_regridded"))}
 
     def notes(self) -> list[str]:
         """Lines for stderr: linears left in float (a warning), grids kept, 8-bit exceptions."""
@@ -94,9 +95,11 @@ def quantize(model, cfg, stored: dict | None = None,
     if todo.recipe is None:
         return done
     done.patches = patches.apply(QUANTIZE_PATCHES)
-    kept = keep_grids(model, todo.grids, todo.dynamic) if todo.grids else []
-    done.linears_on_source_grid = len(kept)
-    done.from_source = _from_source(todo, {name for name, _ in kept}
+    kept = keep_grids(model, todo.grids, todo.dynamic, todo.regrid)
+    kept_names = {name for name, _ in kept}
+    done.linears_on_source_grid = len(kept_names - set(todo.regrid))
+    done.linears_regridded = len(kept_names & set(todo.regrid))
+    done.from_source = _from_source(todo, kept_names
                                     | ({"embedding"} if done.table_on_source_grid else set()))
     done.bytes_saved += sum(saved for _, saved in kept) + _quantize_linears(model, todo)
     done.linears_quantized = len(todo.linears)
@@ -119,6 +122,8 @@ def _from_source(todo: Plan, kept: set) -> dict:
             bits, group = todo.embedding or (None, None)
             to = ("table float" if bits is None else "table 4-bit, the file's grid kept"
                   if name in kept else f"table {_form(bits, group)}")
+        elif name in kept and name in todo.regrid:
+            to = f"4-bit on {REGRID_TYPE}'s grid"
         elif name in kept:
             to = "4-bit, the file's grid kept"
         elif name in todo.linears:

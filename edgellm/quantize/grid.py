@@ -9,6 +9,11 @@ cannot hold, and XNNPACK's 4-bit weights have none) becomes a `GridLinear`: the 
 `offset(sums(x))`, two small linears XNNPACK takes (it has no `sum`). A table on such a grid
 keeps it as ExecuTorch's 4-bit embedding kernel reads it, whose zero points are float
 (`grid_table`).
+
+A source tensor on no 4-bit grid (a GGUF's 5-bit, 3-bit and IQ types) is put on one first:
+requantized by the `gguf` package's own Q4_1 quantizer (`onto_q4_1`: a step and a minimum per
+block of 32, llama.cpp's reference), which loses less than a symmetric 4-bit grid (BENCHMARKS.md,
+GGUF grids kept), and then kept as a Q4_1 tensor is.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from torch import nn
 
 GRID_BLOCK = 32  # GGUF's Q4_0 and Q4_1 blocks, and Q4_K's sub-blocks
 GRID_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+REGRID_TYPE = "Q4_1"  # the grid a source tensor on none is requantized onto
 
 
 def packed_bytes(weight, bits: int, group: int) -> int:
@@ -62,6 +68,18 @@ def block_grid(weight, block: int = GRID_BLOCK, tol: float = 1e-3):
     return (b - offsets[..., None]).view(rows, cols), offsets
 
 
+def onto_q4_1(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` (out, in; in a multiple of GRID_BLOCK) through the gguf package's Q4_1
+    quantizer and back: every block of 32 on 16 levels from its minimum to its maximum."""
+    import gguf
+    from gguf.quants import dequantize, quantize
+
+    kind = gguf.GGMLQuantizationType[REGRID_TYPE]
+    values = weight.detach().float().numpy()
+    return torch.from_numpy(dequantize(quantize(values, kind), kind).reshape(values.shape)
+                            ).to(weight.dtype)
+
+
 class GridLinear(nn.Module):
     """A linear whose weight is 4-bit codes on a symmetric grid plus a float offset per block of
     its input (a GGUF Q4_1's minimum): y = x @ codes.T + (x @ sums.T) @ offsets.T, three linears
@@ -86,19 +104,22 @@ class GridLinear(nn.Module):
         return self.linear(x) + self.offset(self.sums(x))
 
 
-def keep_grids(model, candidates, dynamic: bool) -> list[tuple[str, int]]:
+def keep_grids(model, candidates, dynamic: bool, regrid=()) -> list[tuple[str, int]]:
     """Replace every linear of `candidates` (those the source stored as Q4_0 / Q4_1 / Q4_K)
-    whose blocks lie on a grid by its exact 4-bit form (a GridLinear where the grid is offset).
+    whose blocks lie on a grid by its exact 4-bit form (a GridLinear where the grid is offset),
+    after those of `regrid` (stored on no 4-bit grid) are requantized onto Q4_1's (`onto_q4_1`).
     Returns (name, bytes saved) of each one kept; the others are left as they are."""
     from torchao.quantization import quantize_
 
     from .recipes import torchao_config
 
     exact, kept, sums = torchao_config(4, GRID_BLOCK, dynamic, "affine", exact=True), [], {}
-    candidates = set(candidates)
+    candidates, regrid = set(candidates) | set(regrid), set(regrid)
     for fqn, module in list(model.named_modules()):
         if fqn not in candidates or not isinstance(module, nn.Linear):
             continue
+        if fqn in regrid:
+            module.weight.data = onto_q4_1(module.weight)
         found = block_grid(module.weight)
         offset = found is not None and bool(found[1].any())
         if found is None or offset and fqn == "lm_head":  # the head is applied as a weight

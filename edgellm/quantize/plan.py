@@ -4,9 +4,10 @@ and of the embedding tables, from the recipe and from what the source stored.
 A source that is already 4-bit (a GGUF's Q4_0 / Q4_1 / Q4_K tensors) is not quantized twice: a
 4-bit recipe at the file's block keeps its grids (grid.py), and tensors the file keeps at
 recipes.SPARED_BITS or more while its linears are 4-bit (SmolLM2's Q8_0 tied head and table, a
-Q4_K_M file's Q6_K tensors) get 8 bits per channel: the file's author spared them. Its 5-bit
-tensors (the Q5_0 / Q5_1 llama.cpp writes where a row is not a multiple of 256, in place of its
-4-bit K type) take the recipe's 4 bits. A head that is the embedding table itself (tied, no
+Q4_K_M file's Q6_K tensors) get 8 bits per channel: the file's author spared them. Its tensors
+on no 4-bit grid (the Q5_0 / Q5_1 llama.cpp writes where a row is not a multiple of 256, in place
+of its 4-bit K type; 3-bit and IQ types) take the recipe's 4 bits at the file's block, on Q4_1's
+grid (grid.onto_q4_1). A head that is the embedding table itself (tied, no
 linear of its own: Core ML's build) takes the table's bits.
 """
 
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from ..errors import InputError
-from .grid import GRID_BLOCK, GRID_TYPES
+from .grid import GRID_BLOCK, GRID_TYPES, REGRID_TYPE
 from .recipes import RECIPES, SPARED_BITS, group_of, parse_embedding, stored_bits
 
 
@@ -28,6 +29,7 @@ class Plan:
     dynamic: bool = False  # 8-bit dynamic activations
     linears: dict = field(default_factory=dict)  # name -> (bits, group), in module order
     grids: list = field(default_factory=list)  # kept on the source's grid where they lie on one
+    regrid: list = field(default_factory=list)  # stored on no 4-bit grid: put on REGRID_TYPE's
     left_float: list = field(default_factory=list)  # the group does not divide their input
     at_8_bits: list = field(default_factory=list)  # the source stores them above 4 bits
     embedding: tuple | None = None  # (bits, group) of the tables
@@ -46,6 +48,13 @@ def keeps_source_grids(cfg, stored: dict | None) -> bool:
     recipe = RECIPES.get(cfg.quantize) if cfg.quantize else None
     return (recipe is not None and recipe.bits == 4 and cfg.group_size in (None, GRID_BLOCK)
             and any(t in GRID_TYPES for t in (stored or {}).values()))
+
+
+def off_grid(kind: str | None) -> bool:
+    """Whether a source's storage type holds 4 bits or fewer on no grid a 4-bit recipe keeps
+    (Q5_0, Q5_1, Q5_K, Q3_K, IQ4_NL, ...; SPARED_BITS and above are spared instead)."""
+    bits = stored_bits(kind)
+    return bits is not None and bits < SPARED_BITS and kind not in GRID_TYPES + (REGRID_TYPE,)
 
 
 def source_types(model, stored: dict) -> dict:
@@ -94,6 +103,8 @@ def plan(model, cfg, stored: dict | None = None, experts_refused: str | None = N
         out.linears[name] = (bits, group)
         if grids and types.get(name) in GRID_TYPES:
             out.grids.append(name)
+        elif (bits, group) == (4, GRID_BLOCK) and off_grid(types.get(name)) and name != "lm_head":
+            out.regrid.append(name)  # (a head is applied as a weight: no offset grid for it)
         if spared:
             higher.append((module.weight.numel() < largest, name))
     out.at_8_bits += [name for _, name in sorted(higher, key=lambda h: h[0])]  # largest first
