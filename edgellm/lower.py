@@ -135,7 +135,8 @@ def _takes_arguments(cached) -> bool:
 LOWERING_PATCHES = ("exir.composite_fake_runs", "exir.kept_op_fake_runs",
                     "exir.chained_edge_passes", "exir.one_decomposition_trace",
                     "exir.legalize_in_place", "exir.delegate_fake_outputs",
-                    "fusion.branch_delegates", "emit.constants_by_reference",
+                    "fusion.branch_delegates", "partition.lean_dependencies",
+                    "emit.constants_by_reference",
                     "emit.functionalization_removed_once")
 
 

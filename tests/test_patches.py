@@ -1041,3 +1041,51 @@ def test_vulkan_pattern_graphs_are_built_once_and_are_upstreams():
     finally:
         patch.restore()
     assert not patch.installed()
+
+
+# --- partition.lean_dependencies ------------------------------------------------------------------
+
+
+def test_group_partitions_from_bit_masks_are_upstreams():
+    """The group partitioner with each node's downstream nodes as a bit mask: the same downstream
+    nodes as upstream's sets, and the same partitions, a merge that would make a cycle (through a
+    node the backend does not take) refused as upstream refuses it."""
+    from executorch.exir.backend.canonical_partitioners import group_partitioner as groups
+    from torch.fx.passes.operator_support import OperatorSupportBase
+
+    from edgellm.patches import partition
+
+    class Model(torch.nn.Module):
+        def forward(self, x):
+            a = x.sin()
+            b = a.cos()  # not supported: sin and exp in one partition would loop through it
+            c = (a + b).relu()
+            d = c.exp() + b
+            return d * a, c.tanh()
+
+    class Supported(OperatorSupportBase):
+        def is_node_supported(self, submodules, node):
+            return node.op == "call_method" and node.target != "cos" or \
+                node.op == "call_function"
+
+    graph_module = torch.fx.symbolic_trace(Model())
+    nodes = {n.name: n for n in graph_module.graph.nodes}
+    upstream = partition._UPSTREAM_VIEWER(graph_module)
+    ours = partition._Downstreams(graph_module)
+    assert all(ours.downstreams_of(n) == upstream.downstreams_of(n) for n in nodes.values())
+
+    def partitions(patched: bool) -> list:
+        patch = partition.PATCHES[0]
+        patch.install() if patched else patch.restore()
+        try:
+            found = groups.GroupBasedPartitioner(
+                graph_module, Supported(), allows_single_node_partition=True,
+                node_groups=[[nodes["add"], nodes["relu"]]],
+            ).propose_partitions()
+        finally:
+            patch.restore()
+        return sorted(sorted(n.name for n in p.nodes) for p in found)
+
+    found = partitions(True)
+    assert found == partitions(False)
+    assert ["sin"] in found  # merged with the rest, it would loop through cos

@@ -27,7 +27,7 @@ from typing import Callable
 from ..errors import InputError
 
 SWITCH = "EDGELLM_NO_PATCHES"
-MODULES = ("xnnpack", "coreml", "vulkan", "exir", "fusion", "emit", "torchao")
+MODULES = ("xnnpack", "coreml", "vulkan", "exir", "fusion", "partition", "emit", "torchao")
 
 
 @dataclass(frozen=True)

@@ -1,19 +1,22 @@
-"""A source's 4-bit grids, kept exactly: found in the dequantized weights, rebuilt as 4-bit codes
-on a symmetric grid plus, where the grid is offset, a float correction per block.
+"""A source's 4-bit grids, kept: found in the dequantized weights, rebuilt as exactly its 4-bit
+codes on a symmetric grid plus, where the grid is offset, a correction per block.
 
 A GGUF's Q4_0 / Q4_1 blocks of 32 (and Q4_K's sub-blocks of 32) hold at most 16 evenly spaced
 levels. torchao's `SYMMETRIC_NO_CLIPPING_ERR` scale (max(-min/8, max/7)) is exactly the step of
 a symmetric -8..7 grid, so `quantize_` with the `affine` algorithm (not HQQ, which would move it)
 reproduces the codes. An offset grid (Q4_1's and Q4_K's float minimum, which integer zero points
 cannot hold, and XNNPACK's 4-bit weights have none) becomes a `GridLinear`: the codes' linear plus
-`offset(sums(x))`, two small linears XNNPACK takes (it has no `sum`). A table on such a grid
+`offset(sums(x))`, two small linears XNNPACK takes (it has no `sum`); `offset` takes 8 bits per
+output channel (the recipe's activations: dynamic ones on XNNPACK), a quarter bit a weight where
+fp32 offsets cost one, which puts each offset within 1/254 of its row's largest. A table on such
+a grid
 keeps it as ExecuTorch's 4-bit embedding kernel reads it, whose zero points are float
 (`grid_table`).
 
 A source tensor on no 4-bit grid (a GGUF's 5-bit, 3-bit and IQ types) is put on one first:
 requantized by the `gguf` package's own Q4_1 quantizer (`onto_q4_1`: a step and a minimum per
 block of 32, llama.cpp's reference), which loses less than a symmetric 4-bit grid (BENCHMARKS.md,
-GGUF grids kept), and then kept as a Q4_1 tensor is.
+Tensors on no 4-bit grid), and then kept as a Q4_1 tensor is.
 """
 
 from __future__ import annotations
@@ -81,10 +84,11 @@ def onto_q4_1(weight: torch.Tensor) -> torch.Tensor:
 
 
 class GridLinear(nn.Module):
-    """A linear whose weight is 4-bit codes on a symmetric grid plus a float offset per block of
-    its input (a GGUF Q4_1's minimum): y = x @ codes.T + (x @ sums.T) @ offsets.T, three linears
+    """A linear whose weight is 4-bit codes on a symmetric grid plus an offset per block of its
+    input (a GGUF Q4_1's minimum): y = x @ codes.T + (x @ sums.T) @ offsets.T, three linears
     XNNPACK takes whole (it has no `sum`). `sums` (in / block, in) is a fixed 0/1 matrix shared
-    by every linear of the same input width; `keep_grids` builds these and quantizes `linear`."""
+    by every linear of the same input width; `keep_grids` builds these and quantizes `linear`
+    (the codes exactly) and `offset` (8 bits per output channel)."""
 
     def __init__(self, linear: nn.Linear, codes: torch.Tensor, offsets: torch.Tensor,
                  sums: nn.Parameter):
@@ -106,7 +110,7 @@ class GridLinear(nn.Module):
 
 def keep_grids(model, candidates, dynamic: bool, regrid=()) -> list[tuple[str, int]]:
     """Replace every linear of `candidates` (those the source stored as Q4_0 / Q4_1 / Q4_K)
-    whose blocks lie on a grid by its exact 4-bit form (a GridLinear where the grid is offset),
+    whose blocks lie on a grid by its 4-bit codes (a GridLinear where the grid is offset),
     after those of `regrid` (stored on no 4-bit grid) are requantized onto Q4_1's (`onto_q4_1`).
     Returns (name, bytes saved) of each one kept; the others are left as they are."""
     from torchao.quantization import quantize_
@@ -114,6 +118,7 @@ def keep_grids(model, candidates, dynamic: bool, regrid=()) -> list[tuple[str, i
     from .recipes import torchao_config
 
     exact, kept, sums = torchao_config(4, GRID_BLOCK, dynamic, "affine", exact=True), [], {}
+    offsets_config = torchao_config(8, 0, dynamic, "affine")
     candidates, regrid = set(candidates) | set(regrid), set(regrid)
     for fqn, module in list(model.named_modules()):
         if fqn not in candidates or not isinstance(module, nn.Linear):
@@ -127,7 +132,7 @@ def keep_grids(model, candidates, dynamic: bool, regrid=()) -> list[tuple[str, i
         codes, offsets = found
         size = module.weight.element_size()
         kept.append((fqn, module.weight.numel() * size - packed_bytes(codes, 4, GRID_BLOCK)
-                     - (offsets.numel() * size if offset else 0)))
+                     - (packed_bytes(offsets, 8, 0) if offset else 0)))
         if offset:
             width = codes.shape[1]
             if width not in sums:
@@ -136,6 +141,7 @@ def keep_grids(model, candidates, dynamic: bool, regrid=()) -> list[tuple[str, i
             parent, _, name = fqn.rpartition(".")
             module = GridLinear(module, codes, offsets, sums[width])
             setattr(model.get_submodule(parent), name, module)
+            quantize_(module.offset, offsets_config, filter_fn=lambda m, f: True)
             module = module.linear
         quantize_(module, exact, filter_fn=lambda m, f: isinstance(m, nn.Linear))
     return kept
