@@ -123,6 +123,16 @@ def _kv_cache_lines(kv: dict | None) -> list[str]:
     return lines
 
 
+def _source_lines(q: dict | None) -> list[str]:
+    """What each of a quantized file's storage types became (report.json's
+    `quantization.from_source`), as a table; nothing for a source without types."""
+    if not q or not q.get("from_source"):
+        return []
+    lines = ["", "| the file's type | became | tensors |", "|---|---|---|"]
+    return lines + [f"| {kind} | {to} | {n} |" for kind, became in q["from_source"].items()
+                    for to, n in became.items()]
+
+
 def markdown(r: dict) -> str:
     lines = [f"# edgellm export: {r['model']['origin']}", "",
              f"- backends: {', '.join(r['backends'])}",
@@ -144,6 +154,7 @@ def markdown(r: dict) -> str:
                      f"{d['non_delegated_nodes']} | {d['non_delegated_compute_nodes']} |")
     lines += ["", "| stage | wall s | peak RSS MB |", "|---|---|---|"]
     lines += [f"| {s['name']} | {s['wall_s']:.1f} | {s['peak_rss_mb']:.0f} |" for s in r["stages"]]
+    lines += _source_lines(r.get("quantization"))
     if "verify" in r:
         lines += ["", "Verification against the checkpoint "
                   f"({'passed' if r['verify']['passed'] else 'FAILED'}):", "", "```",

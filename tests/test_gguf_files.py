@@ -123,6 +123,9 @@ def test_a_llamacpp_file_exports_in_its_own_quantization_and_verifies(name, tmp_
                                              "table 4-bit, the file's grid kept"}, became
     for spared in ("Q6_K", "Q8_0"):
         assert all(to.startswith(("8-bit", "table")) for to in became.get(spared, {})), became
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert all(f"| {kind} | {to} | {n} |" in md for kind, tos in became.items()
+               for to, n in tos.items())
     for low in ("Q5_0", "Q5_1", "Q5_K", "IQ4_NL", "IQ4_XS", "Q2_K", "Q3_K"):  # on Q4_1's grid
         assert set(became.get(low, {})) <= {"4-bit on Q4_1's grid", "table 4-bit in groups of 32"}, \
             became
