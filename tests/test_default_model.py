@@ -11,11 +11,13 @@ pytestmark = pytest.mark.heavy  # a real-size model: first, so that it runs besi
 
 def test_the_default_program_keeps_the_file_s_quantization_and_is_verified(default_export):
     """With no options, the embedded Q4_1 GGUF exports in its own quantization: every Q4_1 linear
-    multiplies by exactly the file's 4-bit weights, the Q8_0 head keeps 8 bits and the table
+    keeps the file's 4-bit codes (its minima 8-bit), the Q8_0 head keeps 8 bits and the table
     (stored twice, as XNNPACK writes the head apart) takes 4. The export's own verification ran
     transformers on the same dequantized weights: the eager model is transformers' (top-1 1.0),
-    the program is the eager quantized model, and along the shipped text its perplexity stays
-    within a tenth of transformers' in fp32; then the program completes a prompt on its own."""
+    the program is the eager quantized model, and along 64 tokens of the shipped text its
+    perplexity stays within 15% of transformers' in fp32 (a window this short moves by several
+    percent; the file requantized onto new symmetric grids lands near 30%: BENCHMARKS.md); then
+    the program completes a prompt on its own."""
     folder, report = default_export
     assert report["model"]["model_type"] == "llama" and report["model"]["n_layers"] == 30
     assert report["quantization"]["from_source"] == {
@@ -26,7 +28,7 @@ def test_the_default_program_keeps_the_file_s_quantization_and_is_verified(defau
         "rewrite", "program", "quantization"]
     assert result["checks"][0]["top1"] == 1.0
     ppl = result["perplexity"]
-    assert ppl["tokens"] == 64 and ppl["program"] < 1.1 * ppl["transformers_fp32"], ppl
+    assert ppl["tokens"] == 64 and ppl["program"] < 1.15 * ppl["transformers_fp32"], ppl
     pieces = []
     text = edgellm.generate(folder / "model.pte", "The capital of France is", n=24,
                             on_text=pieces.append)
