@@ -112,7 +112,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("gguf", nargs="+")
     a = p.parse_args()
-    print("| file | tensors on no 4-bit grid | their grid | activations | perplexity | top-1 vs file |")
+    print("| file | tensors on no 4-bit grid | their grid | activations | perplexity | "
+          "top-1 vs file |")
     print("|---|---|---|---|---|---|")
     for path in a.gguf:
         on_file(Path(path))

@@ -109,7 +109,8 @@ def test_the_environment_switches_patches_off(monkeypatch, xnnpack_patches):
     monkeypatch.setenv(patches.SWITCH, "xnnpack.shared_weight")
     with pytest.raises(InputError, match=r"EDGELLM_NO_PATCHES='xnnpack.shared_weight' names no "
                        r"patch: xnnpack.shared_weight\. Give 'all', a module \(xnnpack, coreml, "
-                       r"vulkan, exir, fusion, partition, emit, torchao\) or patch names: xnnpack.shared_weights, "):
+                       r"vulkan, exir, fusion, partition, emit, torchao\) or patch names: "
+                       r"xnnpack.shared_weights, "):
         patches.apply(["xnnpack"])
 
 

@@ -31,8 +31,8 @@ class Quantized:
     bytes_saved: int = 0  # per decode step
     linears_quantized: int = 0
     linears_left_float: list = field(default_factory=list)  # inputs the group does not divide
-    linears_on_source_grid: int = 0  # 4-bit grids kept exactly (GGUF Q4_0 / Q4_1 / Q4_K)
-    linears_regridded: int = 0  # stored on no 4-bit grid (Q5_0, IQ4_NL, ...): requantized to Q4_1
+    linears_on_source_grid: int = 0  # 4-bit grids kept (GGUF Q4_0 / Q4_1 / Q4_K)
+    linears_regridded: int = 0  # on no 4-bit grid in the source (Q5_0, IQ4_NL): on Q4_1's
     table_on_source_grid: bool = False  # the table's 4-bit grid kept exactly
     linears_at_8_bits: list = field(default_factory=list)  # the source stores them above 4 bits
     expert_blocks_packed: int = 0  # sparse blocks whose experts were quantized

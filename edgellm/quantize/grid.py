@@ -9,8 +9,7 @@ cannot hold, and XNNPACK's 4-bit weights have none) becomes a `GridLinear`: the 
 `offset(sums(x))`, two small linears XNNPACK takes (it has no `sum`); `offset` takes 8 bits per
 output channel (the recipe's activations: dynamic ones on XNNPACK), a quarter bit a weight where
 fp32 offsets cost one, which puts each offset within 1/254 of its row's largest. A table on such
-a grid
-keeps it as ExecuTorch's 4-bit embedding kernel reads it, whose zero points are float
+a grid keeps it as ExecuTorch's 4-bit embedding kernel reads it, whose zero points are float
 (`grid_table`).
 
 A source tensor on no 4-bit grid (a GGUF's 5-bit, 3-bit and IQ types) is put on one first:
