@@ -1,6 +1,8 @@
 """The `edgellm` command: thin shells over the Python API, with the same names.
 
-Exit codes: 0 success, 1 verification failed, 2 bad input.
+Exit codes (`main`'s): 0 success; 1 a program failed verification (its outputs kept), or some
+exports of a sweep were not ok; 2 bad input; 3 an internal error in edgellm or a library it
+drives; 130 interrupted.
 """
 
 from __future__ import annotations

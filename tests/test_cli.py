@@ -122,3 +122,28 @@ def test_a_library_failure_is_one_line_exit_3_and_leaves_nothing(tiny_models, tm
     assert not (tmp_path / "o").exists() and list(tmp_path.iterdir()) == []
     with pytest.raises(Exception):
         main(["--debug", *args])
+
+
+def test_the_exit_codes_documented_are_those_main_returns():
+    """cli's docstring and the README list every code `main` can return: the literals it
+    returns, and each error type's exit_code."""
+    import ast
+    import inspect
+    import re
+    from pathlib import Path
+
+    from edgellm import cli, errors
+
+    returned = {node.value.value for node in ast.walk(ast.parse(inspect.getsource(cli)))
+                if isinstance(node, ast.Return) and isinstance(node.value, ast.Constant)
+                and isinstance(node.value.value, int)}
+    returned |= {node.body.value for node in ast.walk(ast.parse(inspect.getsource(cli)))
+                 if isinstance(node, ast.IfExp) and isinstance(node.body, ast.Constant)
+                 and isinstance(node.body.value, int)}
+    returned |= {c.exit_code for c in vars(errors).values()
+                 if isinstance(c, type) and issubclass(c, errors.EdgeLLMError)}
+    documented = {int(n) for n in re.findall(r"\b(\d+) ", cli.__doc__.split("Exit codes")[1])}
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    line = readme[readme.index("- Exit codes:"):].split("\n- ")[0]
+    assert documented == returned == {int(n) for n in re.findall(r"\b(\d+) ", line)}, (
+        documented, returned)
