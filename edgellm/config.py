@@ -72,7 +72,8 @@ class ExportConfig:
     experts: str = option("auto", "how a recipe runs mixture-of-experts layers: chosen (an "
                           "XNNPACK delegate per expert, run only when a token chose it), op "
                           "(ExecuTorch's llama::quantized_moe_ffn on the chosen experts: exports "
-                          "~5x faster, but its fast kernels are aarch64's; ~80x slower on x86) "
+                          "much faster, but its fast kernels are aarch64's: far slower on x86; "
+                          "BENCHMARKS.md) "
                           "or every (every expert as two XNNPACK linears weighted by the routing: "
                           "reads all experts) (default auto: chosen)",
                           choices=EXPERT_FORMULATIONS)
