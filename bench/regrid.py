@@ -24,11 +24,10 @@ import math
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import nn
 
-from edgellm.quantize.grid import GRID_BLOCK, onto_q4_1
+from edgellm.quantize.grid import GRID_BLOCK, onto_q4_1, through_gguf
 from edgellm.quantize.plan import off_grid
 from edgellm.quantize.recipes import torchao_config
 from edgellm.sources.gguf import load_gguf
@@ -88,22 +87,16 @@ def on_file(path: Path) -> None:
 
 
 def synthetic() -> None:
-    import gguf
-    from gguf.quants import dequantize, quantize
-
-    def q5_0(w):
-        kind = gguf.GGMLQuantizationType.Q5_0
-        return torch.from_numpy(dequantize(quantize(w.numpy(), kind), kind).reshape(w.shape).copy())
-
     def sqnr(a, b):
         return float(10 * torch.log10(b.square().sum() / (a - b).square().sum()))
 
+    torch.manual_seed(0)  # torch.distributions samples from the global generator
     g = torch.Generator().manual_seed(0)
     shape = (576, 1536)
     for name, w in [("Gaussian", torch.randn(shape, generator=g)),
                     ("Laplace", torch.distributions.Laplace(0.0, 1.0).sample(shape)),
                     ("Student-t, 3", torch.distributions.StudentT(3.0).sample(shape))]:
-        start = q5_0(w.float())
+        start = through_gguf(w.float(), "Q5_0")
         print(f"| {name} | " + " | ".join(f"{sqnr(GRIDS[g](x), w):.2f}" for x in (w, start)
                                          for g in ("symmetric", "Q4_1")) + " |", flush=True)
 

@@ -159,15 +159,14 @@ def gguf_weight(shape, kind, seed=0):
     """A weight as a GGUF of `kind` holds it: gguf's own quantizer, then its dequantizer (Q4_K,
     which gguf cannot quantize: random blocks, conftest.q4_k_blocks)."""
     import numpy as np
-    from gguf import GGMLQuantizationType, quants
 
     from conftest import q4_k_blocks
+    from edgellm.quantize.grid import through_gguf
 
     if kind == "Q4_K":
         return q4_k_blocks(shape, seed)[1]
     x = np.random.default_rng(seed).standard_normal(shape).astype(np.float32) * 0.05 + 0.01
-    kind = GGMLQuantizationType[kind]
-    return torch.from_numpy(quants.dequantize(quants.quantize(x, kind), kind).copy())
+    return through_gguf(torch.from_numpy(x), kind)
 
 
 def effective_weight(module):

@@ -70,16 +70,23 @@ def block_grid(weight, block: int = GRID_BLOCK, tol: float = 1e-3):
     return (b - offsets[..., None]).view(rows, cols), offsets
 
 
-def onto_q4_1(weight: torch.Tensor) -> torch.Tensor:
-    """`weight` (out, in; in a multiple of GRID_BLOCK) through the gguf package's Q4_1
-    quantizer and back: every block of 32 on 16 levels from its minimum to its maximum."""
+def through_gguf(weight: torch.Tensor, kind: str) -> torch.Tensor:
+    """`weight` (rows a multiple of the type's block) through the gguf package's quantizer for
+    storage type `kind` ("Q4_1", "Q5_0", ...) and back, in its dtype: what a file of that type
+    holds."""
     import gguf
     from gguf.quants import dequantize, quantize
 
-    kind = gguf.GGMLQuantizationType[REGRID_TYPE]
+    ggml = gguf.GGMLQuantizationType[kind]
     values = weight.detach().float().numpy()
-    return torch.from_numpy(dequantize(quantize(values, kind), kind).reshape(values.shape)
+    return torch.from_numpy(dequantize(quantize(values, ggml), ggml).reshape(values.shape)
                             ).to(weight.dtype)
+
+
+def onto_q4_1(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` (out, in; in a multiple of GRID_BLOCK) on Q4_1's grid, as llama.cpp's reference
+    quantizer puts it: every block of 32 on 16 levels from its minimum to its maximum."""
+    return through_gguf(weight, REGRID_TYPE)
 
 
 class GridLinear(nn.Module):

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from ..errors import InputError
-from .grid import GRID_BLOCK, GRID_TYPES, REGRID_TYPE
+from .grid import GRID_BLOCK, GRID_TYPES
 from .recipes import RECIPES, SPARED_BITS, group_of, parse_embedding, stored_bits
 
 
@@ -29,7 +29,7 @@ class Plan:
     dynamic: bool = False  # 8-bit dynamic activations
     linears: dict = field(default_factory=dict)  # name -> (bits, group), in module order
     grids: list = field(default_factory=list)  # kept on the source's grid where they lie on one
-    regrid: list = field(default_factory=list)  # stored on no 4-bit grid: put on REGRID_TYPE's
+    regrid: list = field(default_factory=list)  # stored on no 4-bit grid: put on Q4_1's
     left_float: list = field(default_factory=list)  # the group does not divide their input
     at_8_bits: list = field(default_factory=list)  # the source stores them above 4 bits
     embedding: tuple | None = None  # (bits, group) of the tables
@@ -54,7 +54,7 @@ def off_grid(kind: str | None) -> bool:
     """Whether a source's storage type holds 4 bits or fewer on no grid a 4-bit recipe keeps
     (Q5_0, Q5_1, Q5_K, Q3_K, IQ4_NL, ...; SPARED_BITS and above are spared instead)."""
     bits = stored_bits(kind)
-    return bits is not None and bits < SPARED_BITS and kind not in GRID_TYPES + (REGRID_TYPE,)
+    return bits is not None and bits < SPARED_BITS and kind not in GRID_TYPES
 
 
 def source_types(model, stored: dict) -> dict:
