@@ -49,9 +49,10 @@ print(json.dumps(dict(ids=ids)))
 """
 
 
-def export(gguf: str, dest: Path, backend: str) -> dict:
-    cmd = [EDGELLM, "export", gguf, "--backend", backend, "--max-seq-len", str(TOKENS), "-o",
-           str(dest), "--force", "--quiet", "--json"]
+def export(gguf: str, dest: Path, backend: str, options=(), max_seq_len: int = TOKENS) -> dict:
+    """`edgellm export` of `gguf` with its default recipe, or `options`; report.json."""
+    cmd = [EDGELLM, "export", gguf, "--backend", backend, "--max-seq-len", str(max_seq_len), "-o",
+           str(dest), "--force", "--quiet", "--json", *options]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode not in (0, 1) or not (dest / "report.json").is_file():
         raise SystemExit(f"export of {gguf} failed: {done.stderr.strip().splitlines()[-1:]}")

@@ -66,7 +66,12 @@ def test_coreml_recipe_lowers_with_quantized_weights(tiny_models, tmp_path, reci
                             overrides=[f"coreml.min_ios={min_ios}"], **SIZES)
     [delegate] = report["delegates"]["coreml"]
     linears = delegate["mil_histogram"]["linear"]
-    assert delegate["mil_histogram"][constexpr] == linears  # every linear reads stored ints
+    # every linear reads stored ints, but the block sums of those on Q4_1's grid (4w's default
+    # group, 32, quantizes a float model as llama.cpp's 4-bit mixes: a GridLinear apiece; one
+    # sum of the same input serves every linear that reads it)
+    regridded = report["quantization"].get("linears_regridded", 0)
+    assert bool(regridded) == (recipe == "4w" and group is None)
+    assert bool(regridded) <= linears - delegate["mil_histogram"][constexpr] <= regridded
     checks, cost = cost_of(report)
     assert list(checks) == ["rewrite", "exported graph", "quantization"]
     assert report["verify"]["passed"] and "exported graph" in cost["note"]
@@ -251,9 +256,13 @@ def test_4bit_recipes_keep_a_gguf_grid_and_what_the_file_spared(recipe):
     assert model.q6_k.weight.qdata.abs().max() > 8
     regridded = effective_weight(model.q5_0)
     assert_keeps_the_grid(model.q5_0, onto_q4_1(originals["q5_0"]))
+    from torchao.quantization import quantize_
+
+    from edgellm.quantize.recipes import torchao_config
+
     symmetric = nn.Linear(64, 96)
     symmetric.weight.data = originals["q5_0"].clone()
-    quantize(symmetric, ExportConfig(quantize=recipe, group_size=32))  # HQQ, symmetric
+    quantize_(symmetric, torchao_config(4, GRID_BLOCK, recipe == "8da4w"))  # HQQ, symmetric
     error = [float((w - originals["q5_0"]).square().sum())
              for w in (regridded, symmetric.weight.dequantize())]
     assert error[0] < 0.8 * error[1], error
@@ -320,12 +329,63 @@ def test_a_head_tied_to_a_spared_table_gets_8_bits_with_it():
                                atol=table.abs().amax() / 127)
     assert done.bytes_saved > 100 * 64 * 4 - 100 * (64 + 4)  # the table's float bytes, and more
     for cfg, types in ((ExportConfig(quantize="8w"), stored),
-                       (ExportConfig(quantize="4w"), {}),
+                       (ExportConfig(quantize="4w", group_size=16), {}),
                        (ExportConfig(quantize="4w", embedding_quantize="8,32"), stored)):
         model = tied()
         q = quantize(model, cfg, types).report()
         assert "lm_head" not in q["linears_at_8_bits"], cfg
         assert q["embeddings"] == cfg.embedding_quantize, cfg
+    # from a float source at group 32, llama.cpp's mix gives the head 8 bits: the table's
+    for asked in (None, "4,32"):
+        q = quantize(tied(), ExportConfig(quantize="4w", embedding_quantize=asked), {}).report()
+        assert (q["embeddings"], q["linears_more_bits"]) == ("8" if asked is None else "8,0",
+                                                             ["lm_head"])
+
+
+def test_a_float_source_at_group_32_is_quantized_as_llama_cpps_4bit_mixes():
+    """Float weights under a 4-bit recipe at group 32: every linear on Q4_1's grid (a step and
+    a minimum per block), except the head, every attention value projection and the FFN down
+    projections of llama.cpp's use_more_bits layers (16 layers: 0, 1, 4, 7, 10, 13, 14, 15),
+    which take 8 bits per channel; at another group, torchao's symmetric grid everywhere."""
+    from torch import nn
+
+    def model_of(layers=16):
+        model = nn.Module()
+        model.model = nn.Module()
+        model.model.layers = nn.ModuleList()
+        for _ in range(layers):
+            layer = nn.Module()
+            layer.self_attn, layer.mlp = nn.Module(), nn.Module()
+            layer.self_attn.q_proj, layer.self_attn.v_proj = nn.Linear(64, 64), nn.Linear(64, 32)
+            layer.mlp.up_proj, layer.mlp.down_proj = nn.Linear(64, 96), nn.Linear(96, 64)
+            model.model.layers.append(layer)
+        model.lm_head = nn.Linear(64, 100)
+        return model
+
+    model = model_of()
+    originals = {n: m.weight.detach().clone() for n, m in model.named_modules()
+                 if isinstance(m, nn.Linear)}
+    done = quantize(model, ExportConfig(quantize="8da4w", group_size=32))
+    downs = [0, 1, 4, 7, 10, 13, 14, 15]
+    expected = [f"model.layers.{i}.{kind}" for i in range(16)
+                for kind in ("self_attn.v_proj",) + (("mlp.down_proj",) if i in downs else ())]
+    assert done.linears_more_bits == expected + ["lm_head"]
+    assert done.linears_regridded == 16 * 4 + 1 - len(expected) - 1
+    for name, original in originals.items():
+        module = model.get_submodule(name)
+        if name in done.linears_more_bits:
+            assert type(module) is nn.Linear and module.weight.qdata.abs().max() > 8, name
+        else:  # Q4_1's codes, its offsets within 8 bits' rounding
+            expected, (_, offsets) = onto_q4_1(original), block_grid(onto_q4_1(original))
+            assert module.linear.weight.qdata.abs().max() <= 8, name
+            bound = offsets.abs().amax(1, keepdim=True) / 254 * 1.01 + 1e-4
+            assert ((effective_weight(module) - expected).abs() <= bound).all(), name
+    assert any("as llama.cpp's 4-bit mixes, 40 linears on Q4_1's grid and 25 at 8 bits"
+               in line for line in done.notes())
+    model = model_of()
+    done = quantize(model, ExportConfig(quantize="8da4w", group_size=16))
+    assert (done.linears_more_bits, done.linears_regridded) == ([], 0)
+    assert all(type(m) is nn.Linear for m in model.modules() if isinstance(m, nn.Linear))
 
 
 def test_without_storage_types_8da4w_requantizes_as_before():
@@ -459,7 +519,7 @@ def test_core_ml_writes_the_model_apart_only_where_a_grid_is_kept():
         assert (opts.fold_norms, opts.fuse_qk) == (rewritten, rewritten), (fields, stored)
 
 
-@pytest.mark.parametrize("recipe, group", [("8da4w", 0), ("4w", 0), ("8w", 0), ("8da4w", 32)])
+@pytest.mark.parametrize("recipe, group", [("8da4w", 0), ("4w", 0), ("8w", 0), ("8da4w", 16)])
 def test_each_recipe_quantizes_a_linear_as_its_plan_says(recipe, group):
     """Per channel (group 0: one scale per row) and group-wise, dynamic and weight-only: the
     weight becomes torchao's quantized tensor with the plan's bits and block, close to it."""

@@ -35,6 +35,7 @@ class Quantized:
     linears_regridded: int = 0  # on no 4-bit grid in the source (Q5_0, IQ4_NL): on Q4_1's
     table_on_source_grid: bool = False  # the table's 4-bit grid kept exactly
     linears_at_8_bits: list = field(default_factory=list)  # the source stores them above 4 bits
+    linears_more_bits: list = field(default_factory=list)  # 8 bits where a 4-bit grid loses most
     expert_blocks_packed: int = 0  # sparse blocks whose experts were quantized
     experts: str | None = None  # how they run: "op", "chosen" or "every" (config.experts)
     embeddings_stored_as: str | None = None  # the source's type that kept the table at 8 bits
@@ -45,7 +46,8 @@ class Quantized:
     def report(self) -> dict:
         return {k: v for k, v in asdict(self).items() if k not in ("bytes_saved", "patches")
                 and (v or k not in ("expert_blocks_packed", "experts",  # mixture of experts
-                                    "table_on_source_grid", "linears_regridded"))}
+                                    "table_on_source_grid", "linears_regridded",
+                                    "linears_more_bits"))}
 
     def notes(self) -> list[str]:
         """Lines for stderr: linears left in float (a warning), grids kept, 8-bit exceptions."""
@@ -64,6 +66,11 @@ class Quantized:
         for kind, became in self.from_source.items():
             out.append(f"[edgellm] quantize: {kind} tensors -> " + ", ".join(
                 f"{to} ({n})" for to, n in became.items()))
+        if self.linears_more_bits:
+            more = self.linears_more_bits
+            out.append(f"[edgellm] quantize: as llama.cpp's 4-bit mixes, {self.linears_regridded}"
+                       f" linears on {REGRID_TYPE}'s grid and {len(more)} at 8 bits, where 4 lose"
+                       f" most ({', '.join(more[:3])}{', ...' if len(more) > 3 else ''})")
         if self.linears_at_8_bits:
             eight = self.linears_at_8_bits
             many = "linears get" if len(eight) > 1 else "linear gets"
@@ -88,6 +95,7 @@ def quantize(model, cfg, stored: dict | None = None,
     done = Quantized(todo.recipe, todo.group, todo.embeddings,
                      linears_left_float=list(todo.left_float),
                      linears_at_8_bits=list(todo.at_8_bits),
+                     linears_more_bits=list(todo.more_bits),
                      embeddings_stored_as=todo.embeddings_stored_as)
     if todo.embedding is not None:
         saved, done.table_on_source_grid = _quantize_tables(model, todo)

@@ -9,6 +9,12 @@ on no 4-bit grid (the Q5_0 / Q5_1 llama.cpp writes where a row is not a multiple
 of its 4-bit K type; 3-bit and IQ types) take the recipe's 4 bits at the file's block, on Q4_1's
 grid (grid.onto_q4_1). A head that is the embedding table itself (tied, no
 linear of its own: Core ML's build) takes the table's bits.
+
+A source the file did not make 4-bit (float weights, an F16 GGUF, a Q8_0 one) under a 4-bit
+recipe at llama.cpp's block of 32 is quantized as llama.cpp's 4-bit mixes (Q4_K_M) are: every
+linear on Q4_1's grid, except those that lose most per weight, which take 8 bits per channel
+(`more_bits`): the head, every attention value projection and the FFN down projections of
+llama.cpp's `use_more_bits` layers (BENCHMARKS.md, 4-bit from float weights, measures each).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ class Plan:
     regrid: list = field(default_factory=list)  # stored on no 4-bit grid: put on Q4_1's
     left_float: list = field(default_factory=list)  # the group does not divide their input
     at_8_bits: list = field(default_factory=list)  # the source stores them above 4 bits
+    more_bits: list = field(default_factory=list)  # 8 bits where a 4-bit grid loses most
     embedding: tuple | None = None  # (bits, group) of the tables
     embeddings: str | None = None  # the table recipe as given, or as the source made it
     embeddings_stored_as: str | None = None  # the source's type that kept the table at 8 bits
@@ -72,6 +79,35 @@ def source_types(model, stored: dict) -> dict:
     return {n: t for n, t in out.items() if t is not None}
 
 
+def mixes(recipe, group: int | None, four_bit: bool) -> bool:
+    """Whether the plan chooses each linear's bits as llama.cpp's 4-bit mixes do: a 4-bit recipe
+    at their block of 32 over a source that made no linear 4-bit itself."""
+    return recipe is not None and recipe.bits == 4 and group == GRID_BLOCK and not four_bit
+
+
+def more_bits(linears) -> set:
+    """The linears of `linears` ((name, module)) a 4-bit mix gives 8 bits: the head, every
+    attention value projection, and the FFN down projections of llama.cpp's `use_more_bits`
+    layers (the first and last eighth, and every third between), as the `gguf` package's tensor
+    name map names them (`MODEL_TENSOR.ATTN_V`, `FFN_DOWN`) in any family it knows."""
+    import re
+
+    from gguf import MODEL_TENSOR, TensorNameMap
+
+    def of(kind) -> dict:  # name -> block number, under any prefix
+        names = TensorNameMap.block_mappings_cfg[kind]
+        found = re.compile("|".join(r"(?:.*\.)?" + re.escape(p).replace(r"\{bid\}", r"(\d+)")
+                                    for p in names))
+        return {name: int(next(g for g in m.groups() if g is not None))
+                for name, _ in linears if (m := found.fullmatch(name))}
+
+    downs = of(MODEL_TENSOR.FFN_DOWN)
+    n = len(downs)
+    spare = {name for name, i in downs.items()
+             if i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2}
+    return spare | set(of(MODEL_TENSOR.ATTN_V)) | {name for name, _ in linears if name == "lm_head"}
+
+
 def embedding_name(model) -> str | None:
     return next((n for n, m in model.named_modules() if isinstance(m, nn.Embedding)), None)
 
@@ -85,7 +121,8 @@ def plan(model, cfg, stored: dict | None = None, experts_refused: str | None = N
     four_bit = any((stored_bits(t) or 99) <= 4 for n, t in types.items() if n != "embedding")
     recipe = RECIPES[cfg.quantize] if cfg.quantize else None
     out = Plan(cfg.quantize, embeddings=cfg.embedding_quantize, source_types=types)
-    _plan_tables(out, model, cfg, recipe, types, four_bit)
+    _plan_tables(out, model, cfg, recipe, types, four_bit,
+                 mixes(recipe, group_of(cfg) if recipe else None, four_bit))
     if recipe is None:
         return out
     four_bit &= recipe.bits == 4
@@ -93,20 +130,26 @@ def plan(model, cfg, stored: dict | None = None, experts_refused: str | None = N
     out.group, out.dynamic = GRID_BLOCK if grids else group_of(cfg), recipe.dynamic
     linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
     largest = max((m.weight.numel() for _, m in linears), default=0)
+    mix = more_bits(linears) if mixes(recipe, out.group, four_bit) else None
     higher = []
     for name, module in linears:
         spared = four_bit and (stored_bits(types.get(name)) or 0) >= SPARED_BITS
-        bits, group = (8, 0) if spared else (recipe.bits, out.group)
+        bits, group = (8, 0) if spared or name in (mix or ()) else (recipe.bits, out.group)
         if group and module.in_features % group:
             out.left_float.append(name)
             continue
         out.linears[name] = (bits, group)
         if grids and types.get(name) in GRID_TYPES:
             out.grids.append(name)
-        elif (bits, group) == (4, GRID_BLOCK) and off_grid(types.get(name)) and name != "lm_head":
-            out.regrid.append(name)  # (a head is applied as a weight: no offset grid for it)
+        elif (bits, group) == (4, GRID_BLOCK) and (off_grid(types.get(name)) or mix is not None) \
+                and name != "lm_head" and module.in_features > GRID_BLOCK:
+            # (a head is applied as a weight: no offset grid for it; nor does torchao quantize
+            # the one-column offsets of a one-block input)
+            out.regrid.append(name)
         if spared:
             higher.append((module.weight.numel() < largest, name))
+        elif bits == 8:
+            out.more_bits.append(name)
     out.at_8_bits += [name for _, name in sorted(higher, key=lambda h: h[0])]  # largest first
     out.experts = _plan_experts(model, recipe.bits, out.group, experts_refused,
                                 _formulation(getattr(cfg, "experts", "auto")))
@@ -117,22 +160,25 @@ def plan(model, cfg, stored: dict | None = None, experts_refused: str | None = N
     return out
 
 
-def _plan_tables(out: Plan, model, cfg, recipe, types: dict, four_bit: bool) -> None:
+def _plan_tables(out: Plan, model, cfg, recipe, types: dict, four_bit: bool, mix: bool) -> None:
     """The embedding tables' bits: as asked, except where the head is the table and the source
-    spared it while its linears are 4-bit: there 8 per row, the 8 bits a 4-bit recipe gives a
-    spared head (as XNNPACK's separate head gets them), even when no table recipe was asked. A
-    separate head keeps its own 8 bits whatever the table takes."""
-    spared = four_bit and (stored_bits(types.get("embedding")) or 0) >= SPARED_BITS
+    spared it while its linears are 4-bit, or a 4-bit mix (`mix`) gives the head more bits:
+    there 8 per row, the 8 bits a 4-bit recipe gives a spared head (as XNNPACK's separate head
+    gets them), even when no table recipe was asked. A separate head keeps its own 8 bits
+    whatever the table takes."""
+    stored = four_bit and (stored_bits(types.get("embedding")) or 0) >= SPARED_BITS
+    spared = stored or mix
     head_is_table = getattr(model, "lm_head", None) is None
     if cfg.embedding_quantize:
         out.embedding = parse_embedding(cfg.embedding_quantize)
         if out.embedding[0] == 4 and spared and head_is_table:
             out.embedding, out.embeddings = (8, 0), "8,0"
-            out.embeddings_stored_as = types["embedding"]
+            out.embeddings_stored_as = types["embedding"] if stored else None
+            out.more_bits += [] if stored else ["lm_head"]
     elif head_is_table and recipe is not None and recipe.bits == 4 and spared:
         out.embedding, out.embeddings = (8, 0), "8"
-        out.embeddings_stored_as = types["embedding"]
-        out.at_8_bits.append("lm_head")
+        out.embeddings_stored_as = types["embedding"] if stored else None
+        (out.at_8_bits if stored else out.more_bits).append("lm_head")
     if out.embedding is None:
         return
     out.head_in_table = head_is_table

@@ -10,6 +10,9 @@ Linear recipes:
 - `4w`, `8w`: weight-only (`IntxWeightOnlyConfig`, HQQ scales too). 4-bit defaults to blocks of
   32 (export_llm's `b4w`); group 0 is per channel (`c4w`).
 
+A 4-bit recipe at group 32 over a source that made no linear 4-bit (float weights) quantizes as
+llama.cpp's 4-bit mixes instead: Q4_1's grid, 8 bits where 4 lose most (plan.py).
+
 Embeddings (`embedding_quantize: "BITS[,GROUP]"`, export_llm's syntax): weight-only 8- or 4-bit
 tables. Nothing here imports torch until a config is made.
 """
