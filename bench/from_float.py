@@ -129,7 +129,7 @@ def main(argv=None):
     theirs = llama_cpp_q4_k_m(source, out / "Q4_K_M.gguf")
     text, rows = TEXT.read_text(), []
     for name, options in RECIPES.items():
-        dest = out / name.split(",")[1].strip().replace(" ", "-")
+        dest = out / name.split(",")[1].split("(")[0].strip().replace(" ", "-")
         report = vs_llamacpp.export(str(source), dest, "xnnpack", options, max_seq_len=512)
         ids = load_tokenizer(dest).encode(text).ids
         if not rows:

@@ -506,14 +506,17 @@ def test_a_grid_through_zero_stays_one_linear():
 
 
 def test_core_ml_writes_the_model_apart_only_where_a_grid_is_kept():
-    """Folding norms or fusing q and k rewrites the linears a GGUF's grid lives in; Core ML's
-    writing keeps both unless a 4-bit recipe at the file's block keeps that grid."""
+    """Folding norms or fusing q and k rewrites the linears a GGUF's grid lives in, and stretches
+    the blocks a float model's mix puts on Q4_1's grid; Core ML's writing keeps both unless a
+    4-bit recipe at the file's block keeps that grid or makes that mix (4w's default group)."""
     from edgellm.backends import Plan, get_backend
 
     plan = Plan((get_backend("coreml"),), (None,))
     q4 = {"model.layers.0.mlp.up_proj.weight": "Q4_1"}
     cases = [(dict(quantize="4w"), q4, False), (dict(quantize="4w", group_size=64), q4, True),
-             (dict(quantize="8w"), q4, True), (dict(quantize="4w"), {}, True), ({}, q4, True)]
+             (dict(quantize="8w"), q4, True), (dict(quantize="4w"), {}, False),
+             (dict(quantize="4w"), {"model.layers.0.mlp.up_proj.weight": "F16"}, False),
+             (dict(quantize="4w", group_size=0), {}, True), ({}, q4, True)]
     for fields, stored, rewritten in cases:
         opts = plan.model_options(ExportConfig(backends=("coreml",), **fields), stored)
         assert (opts.fold_norms, opts.fuse_qk) == (rewritten, rewritten), (fields, stored)

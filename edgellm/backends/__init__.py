@@ -97,17 +97,18 @@ class Plan:
 
     def model_options(self, cfg, stored: dict | None = None):
         """How the model is written for this chain and export config: the first backend's
-        `writing`, except that where the recipe keeps the source's 4-bit grids (`stored`: its
-        storage types; quantize.plan.keeps_source_grids) no norm weight is folded into the linears
-        after it, which would move their blocks off the grid, and q and k stay two linears,
-        under the names the storage types are known by."""
+        `writing`, except that where the recipe keeps the source's 4-bit grids or puts float
+        weights on Q4_1's (`stored`: its storage types; quantize.plan.writes_linears_apart) no
+        norm weight is folded into the linears after it, which would move their blocks off the
+        grid or stretch them, and q and k stay two linears, under the names the storage types
+        are known by."""
         from ..architectures.layers import ModelOptions
-        from ..quantize.plan import keeps_source_grids
+        from ..quantize.plan import writes_linears_apart
 
         writing = dict(self.backends[0].writing)
         if cfg.kv_cache:
             writing.update(self.backends[0].kv_caches[cfg.kv_cache], kv_cache=cfg.kv_cache)
-        if keeps_source_grids(cfg, stored):
+        if writes_linears_apart(cfg, stored):
             writing["fold_norms"] = writing["fuse_qk"] = False
         sink = tuple(cfg.attention_sink) if cfg.attention_sink else None
         return ModelOptions(max_context_len=cfg.context_len, attention_sink=sink,

@@ -57,6 +57,16 @@ def keeps_source_grids(cfg, stored: dict | None) -> bool:
             and any(t in GRID_TYPES for t in (stored or {}).values()))
 
 
+def writes_linears_apart(cfg, stored: dict | None) -> bool:
+    """Whether the model must be written with norms unfolded and q and k apart: where the recipe
+    keeps a source's grids (keeps_source_grids), or quantizes float weights as llama.cpp's mixes
+    (mixes), whose blocks a folded norm weight would stretch column by column (on SmolLM2, Core
+    ML's mix fell from 13.5 to 6.9 dB with norms folded)."""
+    recipe = RECIPES.get(cfg.quantize) if cfg.quantize else None
+    four_bit = any((stored_bits(t) or 99) <= 4 for t in (stored or {}).values())
+    return keeps_source_grids(cfg, stored) or mixes(recipe, recipe and group_of(cfg), four_bit)
+
+
 def off_grid(kind: str | None) -> bool:
     """Whether a source's storage type holds 4 bits or fewer on no grid a 4-bit recipe keeps
     (Q5_0, Q5_1, Q5_K, Q3_K, IQ4_NL, ...; SPARED_BITS and above are spared instead)."""
