@@ -382,10 +382,12 @@ def test_a_float_source_at_group_32_is_quantized_as_llama_cpps_4bit_mixes():
             assert ((effective_weight(module) - expected).abs() <= bound).all(), name
     assert any("as llama.cpp's 4-bit mixes, 40 linears on Q4_1's grid and 25 at 8 bits"
                in line for line in done.notes())
-    model = model_of()
-    done = quantize(model, ExportConfig(quantize="8da4w", group_size=16))
-    assert (done.linears_more_bits, done.linears_regridded) == ([], 0)
-    assert all(type(m) is nn.Linear for m in model.modules() if isinstance(m, nn.Linear))
+    for cfg in (ExportConfig(quantize="8da4w", group_size=16), ExportConfig(quantize="8da8w")):
+        model = model_of()
+        done = quantize(model, cfg)
+        assert (done.linears_more_bits, done.linears_regridded) == ([], 0), cfg
+        assert all(type(m) is nn.Linear for m in model.modules() if isinstance(m, nn.Linear))
+        assert not any("4-bit mixes" in line for line in done.notes()), cfg
 
 
 def test_without_storage_types_8da4w_requantizes_as_before():

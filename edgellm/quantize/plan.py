@@ -158,7 +158,7 @@ def plan(model, cfg, stored: dict | None = None, experts_refused: str | None = N
             out.regrid.append(name)
         if spared:
             higher.append((module.weight.numel() < largest, name))
-        elif bits == 8:
+        elif name in (mix or ()):
             out.more_bits.append(name)
     out.at_8_bits += [name for _, name in sorted(higher, key=lambda h: h[0])]  # largest first
     out.experts = _plan_experts(model, recipe.bits, out.group, experts_refused,
