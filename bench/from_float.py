@@ -83,37 +83,36 @@ def sensitivity(source: Path) -> None:
     """Which linears lose most on Q4_1's grid: transformers on the float file with the linears of
     one kind (v_proj, down_proj, ...) alone put on it, float activations, along the shipped text:
     perplexity over fp32's, per million weights of that kind."""
-    import math
     import re
 
     from edgellm.quantize.grid import onto_q4_1
     from edgellm.sources import load_source
-    from edgellm.verification import TEXT, transformers_model
+    from edgellm.verification import TEXT, perplexity, transformers_model
 
     src = load_source(str(source))
     ids, model = src.tokenizer().encode(TEXT.read_text()).ids, transformers_model(src)
     weights = {n: p.detach().clone() for n, p in model.named_parameters()
                if p.ndim == 2 and re.search(r"\.layers\.\d+\.", n)}
 
-    def perplexity() -> float:
+    def along() -> float:
         with torch.no_grad():
-            logits = model(torch.tensor([ids])).logits[0, :-1].float()
-        return math.exp(float(torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]))))
+            return perplexity(model(torch.tensor([ids])).logits[0, :-1].float(), ids)
 
-    base = perplexity()
+    base = along()
     print(f"\n| linears on Q4_1's grid, the rest float | weights | perplexity (fp32 {base:.3f}) "
           "| + % | + % per M weights |\n|---|---|---|---|---|")
     for kind in sorted({n.split(".")[-2] for n in weights}):
         with torch.no_grad():
             for n, w in weights.items():
                 model.get_parameter(n).data.copy_(onto_q4_1(w) if n.split(".")[-2] == kind else w)
-        p, count = perplexity(), sum(w.numel() for n, w in weights.items()
+        p, count = along(), sum(w.numel() for n, w in weights.items()
                                      if n.split(".")[-2] == kind) / 1e6
         print(f"| {kind} | {count:.1f}M | {p:.3f} | {100 * (p / base - 1):.2f} | "
               f"{100 * (p / base - 1) / count:.3f} |", flush=True)
 
 
 def main(argv=None):
+    from edgellm.numerics import compare
     from edgellm.runtime import load_tokenizer
     from edgellm.sources import load_source
     from edgellm.verification import TEXT, perplexity, transformers_model
@@ -139,17 +138,14 @@ def main(argv=None):
                     torch.tensor([ids])).logits[0, :-1].float()
             rows.append(dict(engine="llama.cpp Q4_K_M", mb=round(theirs.stat().st_size / 1e6, 1),
                              perplexity=round(perplexity(cpp, ids), 3),
-                             top1_vs_fp32=round(float((cpp.argmax(-1) == ref.argmax(-1))
-                                                      .float().mean()), 3),
+                             top1_vs_fp32=round(compare(cpp, ref).argmax_agree, 3),
                              fp32_perplexity=round(perplexity(ref, ids), 3), tokens=len(ids)))
         mine = vs_llamacpp.program_logits(dest / "model.pte", ids)
         rows.append(dict(engine=f"edgellm {name}", mb=round(report["pte_bytes"] / 1e6, 1),
                          verified=all(c["passed"] for c in report["verify"]["checks"]),
                          perplexity=round(perplexity(mine, ids), 3),
-                         top1_vs_fp32=round(float((mine.argmax(-1) == ref.argmax(-1))
-                                                  .float().mean()), 3),
-                         top1_vs_llamacpp=round(float((mine.argmax(-1) == cpp.argmax(-1))
-                                                      .float().mean()), 3)))
+                         top1_vs_fp32=round(compare(mine, ref).argmax_agree, 3),
+                         top1_vs_llamacpp=round(compare(mine, cpp).argmax_agree, 3)))
     base = rows[0]
     print(f"\nfloat: {source.name}, perplexity {base['fp32_perplexity']} along {base['tokens']} "
           "tokens")

@@ -184,7 +184,8 @@ def _plan_tables(out: Plan, model, cfg, recipe, types: dict, four_bit: bool, mix
         if out.embedding[0] == 4 and spared and head_is_table:
             out.embedding, out.embeddings = (8, 0), "8,0"
             out.embeddings_stored_as = types["embedding"] if stored else None
-            out.more_bits += [] if stored else ["lm_head"]
+            if not stored:
+                out.more_bits.append("lm_head")
     elif head_is_table and recipe is not None and recipe.bits == 4 and spared:
         out.embedding, out.embeddings = (8, 0), "8"
         out.embeddings_stored_as = types["embedding"] if stored else None
