@@ -160,13 +160,18 @@ def rounding_limits(model, collect, clean: list, dtype: str) -> tuple[tuple, str
     finally:
         for hook in hooks:
             hook.remove()
-    c = compare(torch.cat(noisy), torch.cat(clean))
-    cap = THRESHOLDS[dtype]
-    limits = (min(cap[0], round(c.sqnr_db - ROUNDING_MARGIN_DB, 1)),
+    return sensitivity_limits(compare(torch.cat(noisy), torch.cat(clean)), THRESHOLDS[dtype],
+                              ROUNDING_MARGIN_DB, f"{dtype} rounding", "every linear off by it")
+
+
+def sensitivity_limits(c, cap: tuple, margin_db: float, to: str, how: str) -> tuple[tuple, str]:
+    """Bounds `margin_db` below a measured sensitivity `c` (a numerics.compare) and twice its
+    argmax flips, never above `cap`; the note says so when they are lower."""
+    limits = (min(cap[0], round(c.sqnr_db - margin_db, 1)),
               min(cap[1], round(2 * c.argmax_agree - 1, 3)))
     note = "" if limits == cap else (
-        f"bounds from this model's sensitivity to {dtype} rounding ({c.sqnr_db:.1f} dB, top-1 "
-        f"{c.argmax_agree:.3f} with every linear off by it), below {cap[0]:g} dB / {cap[1]:g}")
+        f"bounds from this model's sensitivity to {to} ({c.sqnr_db:.1f} dB, top-1 "
+        f"{c.argmax_agree:.3f} with {how}), below {cap[0]:g} dB / {cap[1]:g}")
     return limits, note
 
 
@@ -195,13 +200,8 @@ def activation_limits(model, collect, clean: list) -> tuple[tuple, str]:
     finally:
         for w, kind in zip(weights, kinds):
             w.activation_quantization = kind
-    c = compare(torch.cat(unrounded), torch.cat(clean))
-    limits = (min(cap[0], round(c.sqnr_db - ACTIVATION_MARGIN_DB, 1)),
-              min(cap[1], round(2 * c.argmax_agree - 1, 3)))
-    note = "" if limits == cap else (
-        f"bounds from this model's sensitivity to its activations' rounding ({c.sqnr_db:.1f} dB, "
-        f"top-1 {c.argmax_agree:.3f} with them unrounded), below {cap[0]:g} dB / {cap[1]:g}")
-    return limits, note
+    return sensitivity_limits(compare(torch.cat(unrounded), torch.cat(clean)), cap,
+                              ACTIVATION_MARGIN_DB, "its activations' rounding", "them unrounded")
 
 
 def verify(target, steps: int = 8) -> dict:
