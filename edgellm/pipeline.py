@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import glob
 import os
 import shutil
@@ -55,7 +56,14 @@ def staging(dest: Path, force: bool):
             os.replace(tmp, dest)
             shutil.rmtree(old)
         else:
-            os.replace(tmp, dest)
+            try:
+                os.replace(tmp, dest)
+            except OSError as e:  # another run wrote dest while this one worked
+                if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR):
+                    raise
+                raise InputError(f"Output folder {dest} was written by another run while this "
+                                 "one worked; it is left as that run wrote it. Pass --force to "
+                                 "replace it, or choose another folder with -o.") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

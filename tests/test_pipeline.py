@@ -106,6 +106,22 @@ def test_existing_output_is_not_overwritten_without_force(exported):
     assert (folder / "model.pte").stat().st_mtime_ns == before
 
 
+def test_an_output_folder_another_run_wrote_meanwhile_is_left_as_it_is(tmp_path):
+    """Two exports to one new folder: the one that finishes second says so in one line (exit 2
+    from the command line), leaves the first one's folder as it was and no staging folder."""
+    from edgellm.pipeline import staging
+
+    dest = tmp_path / "out"
+    with pytest.raises(edgellm.InputError, match="was written by another run while this one "
+                                                 "worked; it is left as that run wrote it"):
+        with staging(dest, force=False) as tmp:
+            (tmp / "model.pte").write_bytes(b"second")
+            dest.mkdir()  # the other run's folder lands first
+            (dest / "model.pte").write_bytes(b"first")
+    assert (dest / "model.pte").read_bytes() == b"first"
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
 def test_generate_streams_greedy_text(exported, tiny_models, prompt_ids):
     from tokenizers import Tokenizer
 
