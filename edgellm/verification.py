@@ -65,7 +65,8 @@ class Check:
     max_rel: float  # max_abs / max |reference logit|
     sqnr_db: float
     top1: float
-    first_divergence: str | None  # "prompt i step j": the first differing greedy token
+    first_divergence: str | None  # "prompt i step j" or "text step j": the first greedy token
+    # that differs
     note: str = ""
     # the quantization check along the shipped text: its perplexity over fp32's, and the bound
     perplexity_ratio: float | None = None
@@ -119,7 +120,10 @@ def eager_prefill(model):
     return lambda ids: model(torch.tensor([ids]), torch.tensor([0]))
 
 
-def measure(level: str, actual: list, expected: list, limits: tuple, note: str = "") -> Check:
+def measure(level: str, actual: list, expected: list, limits: tuple, note: str = "",
+            text_last: bool = False) -> Check:
+    """`actual` against `expected` (lists of (steps, vocab) logits: the prompts', and with
+    `text_last` the shipped text's last) within `limits` (minimum SQNR, minimum top-1)."""
     from .numerics import compare
 
     c = compare(torch.cat(actual), torch.cat(expected))
@@ -128,7 +132,8 @@ def measure(level: str, actual: list, expected: list, limits: tuple, note: str =
         step = next((j for j, (x, y) in enumerate(zip(a.argmax(-1), e.argmax(-1))) if x != y),
                     None)
         if step is not None:
-            divergence = f"prompt {i} step {step}"
+            divergence = ("text" if text_last and i == len(actual) - 1 else f"prompt {i}") + \
+                f" step {step}"
             break
     peak = float(torch.cat(expected).abs().max()) or 1.0
     passed = c.sqnr_db >= limits[0] and c.argmax_agree >= limits[1]
@@ -409,9 +414,11 @@ class Verification:
                     text_logits = run_steps(program.forward, program.prefill, self.text[:1],
                                             self.text[1:])
         note = "; ".join(n for n in (note, self.limits_note) if n)
-        if self.expected_text is not None:
+        with_text = self.expected_text is not None
+        if with_text:
             actual, expected = actual + [text_logits], expected + [self.expected_text]
-        checks.append(measure(level, actual, expected, self.limits, note=note))
+        checks.append(measure(level, actual, expected, self.limits, note=note,
+                              text_last=with_text))
         if self.quantized:  # what the recipe costs, against the float model
             # natural text where there is a tokenizer: random ids give a real model flat logits
             # whose argmax a small error flips, which says little about the recipe
@@ -453,7 +460,8 @@ def recipe_cost(cfg, level: str, on: str, actual: list, reference: list,
                                     cfg.kv_cache and f"{cfg.kv_cache} KV cache"]))
     bounds = accuracy_bounds(cfg)
     check = measure("quantization", actual, reference, bounds,
-                    note=f"{recipe}: the {level} against transformers in fp32, {on}")
+                    note=f"{recipe}: the {level} against transformers in fp32, {on}",
+                    text_last=bool(text))
     if not text:
         return check
     ratio = perplexity(actual[0], text) / perplexity(reference[0], text)

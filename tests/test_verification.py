@@ -238,3 +238,22 @@ def test_float_bounds_follow_the_model_s_sensitivity_to_rounding():
         loud[1].weight.mul_(1.01)
         wrong = compare(torch.cat([loud(x) for x in inputs]), torch.cat(clean))
         assert wrong.sqnr_db < min_sqnr
+
+
+def test_the_first_divergence_names_the_prompt_or_the_text_it_lies_in():
+    """A check over the prompts and the shipped text says where the first greedy token differs:
+    in which prompt, or in the text (its rows come last), and at which step."""
+    import torch
+
+    from edgellm.verification import measure
+
+    prompts = [torch.eye(6)[[0, 1, 2]], torch.eye(6)[[3, 4]]]
+    text = torch.eye(6)[[5, 4, 3, 2]]
+    moved = text.clone()
+    moved[2] = torch.eye(6)[0]
+    check = measure("program", prompts + [moved], prompts + [text], (0, 0), text_last=True)
+    assert check.first_divergence == "text step 2"
+    moved_prompt = prompts[1].clone()
+    moved_prompt[1] = torch.eye(6)[0]
+    check = measure("program", [prompts[0], moved_prompt], prompts, (0, 0))
+    assert check.first_divergence == "prompt 1 step 1"
