@@ -125,12 +125,14 @@ def _kv_cache_lines(kv: dict | None) -> list[str]:
 
 def _source_lines(q: dict | None) -> list[str]:
     """What each of a quantized file's storage types became (report.json's
-    `quantization.from_source`), as a table; nothing for a source without types."""
+    `quantization.from_source`) and what it cost their weights, as a table; nothing for a
+    source without types."""
     if not q or not q.get("from_source"):
         return []
-    lines = ["", "| the file's type | became | tensors |", "|---|---|---|"]
-    return lines + [f"| {kind} | {to} | {n} |" for kind, became in q["from_source"].items()
-                    for to, n in became.items()]
+    lines = ["", "| the file's type | became | tensors | weight SQNR (dB) |", "|---|---|---|---|"]
+    return lines + [f"| {kind} | {to} | {e['tensors']} | "
+                    f"{'unchanged' if e['weight_sqnr_db'] is None else e['weight_sqnr_db']} |"
+                    for kind, became in q["from_source"].items() for to, e in became.items()]
 
 
 def markdown(r: dict) -> str:

@@ -124,13 +124,22 @@ def test_a_llamacpp_file_exports_in_its_own_quantization_and_verifies(name, tmp_
     for spared in ("Q6_K", "Q8_0"):
         assert all(to.startswith(("8-bit", "table")) for to in became.get(spared, {})), became
     md = (tmp_path / "out" / "report.md").read_text()
-    assert all(f"| {kind} | {to} | {n} |" in md for kind, tos in became.items()
-               for to, n in tos.items())
+    for kind, tos in became.items():
+        for to, e in tos.items():
+            db = "unchanged" if e["weight_sqnr_db"] is None else e["weight_sqnr_db"]
+            assert f"| {kind} | {to} | {e['tensors']} | {db} |" in md, (kind, to)
+    # what each choice cost the file's weights: its 4-bit codes kept lose only their blocks'
+    # offsets to 8 bits; a grid the file did not choose loses more
+    cost = {to: e["weight_sqnr_db"] for tos in became.values() for to, e in tos.items()}
+    if "4-bit, the file's grid kept" in cost:
+        assert cost["4-bit, the file's grid kept"] > max(
+            [40] + [cost[to] for to in cost if to.startswith(("4-bit on", "table 4-bit in"))]), cost
     regridded = {"4-bit on Q4_1's grid", "table 4-bit in groups of 32"}
     for low in ("Q5_0", "Q5_1", "Q5_K", "IQ4_NL", "IQ4_XS", "Q2_K", "Q3_K"):  # on Q4_1's grid
         assert set(became.get(low, {})) <= regridded, became
     if name == "llama-Q4_K_M.gguf":  # its one Q5_0 linear (a row no multiple of 256)
-        assert became["Q5_0"] == {"4-bit on Q4_1's grid": 1}, became
+        assert list(became["Q5_0"]) == ["4-bit on Q4_1's grid"], became
+        assert became["Q5_0"]["4-bit on Q4_1's grid"]["tensors"] == 1
 
 
 def test_a_float_export_of_a_llamacpp_file_generates_transformers_tokens(tmp_path):

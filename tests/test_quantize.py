@@ -4,6 +4,7 @@ model (SQNR, top-1, perplexity along the shipped text), within the recipe's stat
 impossible combinations refused before any work; the plan; a GGUF's grids kept exactly."""
 
 import dataclasses
+import math
 import shutil
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import edgellm
 from conftest import SIZES
 from edgellm.config import ExportConfig
 from edgellm.quantize import accuracy_bounds, quantize
+from edgellm.quantize.cost import SAMPLED_ROWS, cost, sample, weight_rows
 from edgellm.quantize.grid import GRID_BLOCK, block_grid, onto_q4_1
 from edgellm.quantize.plan import plan
 
@@ -174,15 +176,6 @@ def gguf_weight(shape, kind, seed=0):
     return through_gguf(torch.from_numpy(x), kind)
 
 
-def effective_weight(module):
-    """What a quantized linear multiplies by: torchao's dequantized weight, plus the per-block
-    offsets of a GridLinear (8-bit)."""
-    if hasattr(module, "offset"):
-        return (module.linear.weight.dequantize()
-                + module.offset.weight.dequantize().repeat_interleave(GRID_BLOCK, dim=1))
-    return module.weight.dequantize()
-
-
 def assert_keeps_the_grid(module, original):
     """`module` multiplies by exactly `original`'s 4-bit codes and, where its grid is offset,
     by its offsets within 8 bits per channel's rounding (half of max |offset| / 127 a row)."""
@@ -240,21 +233,34 @@ def test_4bit_recipes_keep_a_gguf_grid_and_what_the_file_spared(recipe):
         getattr(model, name).weight.data = originals[name] = gguf_weight(
             getattr(model, name).weight.shape, kind, seed=i)
     done = quantize(model, ExportConfig(quantize=recipe, embedding_quantize="4,32"), stored)
-    assert done.report() == {
+    report = done.report()
+    costs = {kind: {to: e.pop("weight_sqnr_db") for to, e in became.items()}
+             for kind, became in report["from_source"].items()}
+    assert report == {
         "recipe": recipe, "group_size": 32, "linears_quantized": 5, "linears_left_float": [],
         "embeddings": "4,32", "embeddings_stored_as": None,
         "linears_on_source_grid": 2, "linears_regridded": 1,
         "linears_at_8_bits": ["q6_k", "lm_head"],
-        "from_source": {"Q4_0": {"4-bit, the file's grid kept": 1},
-                        "Q4_1": {"4-bit, the file's grid kept": 1},
-                        "Q5_0": {"4-bit on Q4_1's grid": 1},
-                        "Q6_K": {"8-bit per channel": 1},
-                        "Q8_0": {"8-bit per channel": 1, "table 4-bit in groups of 32": 1}}}
+        "from_source": {"Q4_0": {"4-bit, the file's grid kept": {"tensors": 1}},
+                        "Q4_1": {"4-bit, the file's grid kept": {"tensors": 1}},
+                        "Q5_0": {"4-bit on Q4_1's grid": {"tensors": 1}},
+                        "Q6_K": {"8-bit per channel": {"tensors": 1}},
+                        "Q8_0": {"8-bit per channel": {"tensors": 1},
+                                 "table 4-bit in groups of 32": {"tensors": 1}}}}
+    # what each choice cost the weights the program holds: the file's codes exact and the
+    # blocks' offsets in 8 bits (Q4_1's minima; Q4_0's blocks whose largest is +8 steps), 8
+    # bits per channel, 4 bits in groups
+    assert all(50 < costs[kind]["4-bit, the file's grid kept"] < 100 for kind in ("Q4_0", "Q4_1"))
+    assert 30 < costs["Q8_0"]["8-bit per channel"] < 60, costs
+    assert costs["Q8_0"]["table 4-bit in groups of 32"] < 25, costs
     for name in ("q4_1", "q4_0"):
         assert_keeps_the_grid(getattr(model, name), originals[name])
     assert model.lm_head.weight.qdata.abs().max() > 8  # 8-bit codes
     assert model.q6_k.weight.qdata.abs().max() > 8
-    regridded = effective_weight(model.q5_0)
+    regridded = weight_rows(model.q5_0)
+    noise = (regridded.double() - originals["q5_0"].double()).square().sum()
+    assert costs["Q5_0"]["4-bit on Q4_1's grid"] == round(
+        10 * math.log10(originals["q5_0"].double().square().sum() / noise), 1), costs
     assert_keeps_the_grid(model.q5_0, onto_q4_1(originals["q5_0"]))
     from torchao.quantization import quantize_
 
@@ -275,6 +281,29 @@ def test_4bit_recipes_keep_a_gguf_grid_and_what_the_file_spared(recipe):
     assert any("keep the source's 4-bit grid exactly" in line for line in done.notes())
 
 
+def test_a_large_tensor_s_cost_is_measured_on_spread_rows_and_matches_the_whole():
+    """A weight of more rows than cost.SAMPLED_ROWS (a 262,144-row table's case) is measured on
+    spread rows: its SQNR is the whole tensor's within 0.3 dB, where rows differ in scale along
+    the tensor (a table's rare tokens against its common ones)."""
+    from torch import nn
+    from torchao.quantization import quantize_
+
+    from edgellm.quantize.recipes import torchao_config
+
+    rows = 4 * SAMPLED_ROWS + 37
+    table = nn.Embedding(rows, 64)
+    table.weight.data = torch.randn(rows, 64) * torch.linspace(0.1, 3, rows)[:, None]
+    table.weight.data[::97, 5] *= 40  # outliers: a row's block scale moves with them
+    original = table.weight.detach().double().clone()
+    before = sample(table.weight)
+    assert sum(b - a for a, b, _ in before) == SAMPLED_ROWS
+    quantize_(table, torchao_config(4, 32, False, "affine"),
+              filter_fn=lambda m, fqn: isinstance(m, nn.Embedding))
+    signal, noise = cost(before, table)
+    whole = (weight_rows(table).double() - original).square().sum() / original.square().sum()
+    assert abs(10 * math.log10(signal / noise) + 10 * math.log10(whole)) < 0.3
+
+
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K"])
 def test_a_table_on_a_4bit_grid_keeps_it_exactly(kind):
     """A table the file stored on a 4-bit grid, asked at 4 bits in blocks of 32 beside a
@@ -293,7 +322,7 @@ def test_a_table_on_a_4bit_grid_keeps_it_exactly(kind):
         done = quantize(model, ExportConfig(quantize="8da4w", group_size=32,
                                             embedding_quantize="4,32"), stored)
         rows = model.embed_tokens(torch.arange(100))
-        became = done.report()["from_source"][table_kind]
+        became = {to: e["tensors"] for to, e in done.report()["from_source"][table_kind].items()}
         if table_kind == kind:
             assert became == {"table 4-bit, the file's grid kept": 1}
             assert done.report()["table_on_source_grid"] is True
@@ -379,7 +408,7 @@ def test_a_float_source_at_group_32_is_quantized_as_llama_cpps_4bit_mixes():
             expected, (_, offsets) = onto_q4_1(original), block_grid(onto_q4_1(original))
             assert module.linear.weight.qdata.abs().max() <= 8, name
             bound = offsets.abs().amax(1, keepdim=True) / 254 * 1.01 + 1e-4
-            assert ((effective_weight(module) - expected).abs() <= bound).all(), name
+            assert ((weight_rows(module) - expected).abs() <= bound).all(), name
     assert any("as llama.cpp's 4-bit mixes, 40 linears on Q4_1's grid and 25 at 8 bits"
                in line for line in done.notes())
     for cfg in (ExportConfig(quantize="8da4w", group_size=16), ExportConfig(quantize="8da8w")):

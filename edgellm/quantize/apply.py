@@ -10,6 +10,7 @@ from torch import nn
 
 from .. import patches
 from ..memory import drop_checkpoint_pages
+from .cost import cost, sample, sqnr_db
 from .experts import quantize_experts
 from .grid import GRID_BLOCK, GRID_TYPES, REGRID_TYPE, grid_table, keep_grids, packed_bytes
 from .plan import Plan, embedding_name, plan
@@ -65,7 +66,9 @@ class Quantized:
                        f"source stores the table as {self.embeddings_stored_as}")
         for kind, became in self.from_source.items():
             out.append(f"[edgellm] quantize: {kind} tensors -> " + ", ".join(
-                f"{to} ({n})" for to, n in became.items()))
+                f"{to} ({e['tensors']}" + ("" if e["weight_sqnr_db"] is None else
+                                           f", weights at {e['weight_sqnr_db']} dB") + ")"
+                for to, e in became.items()))
         if self.linears_more_bits:
             more = self.linears_more_bits
             out.append(f"[edgellm] quantize: as llama.cpp's 4-bit mixes, {self.linears_regridded}"
@@ -97,20 +100,23 @@ def quantize(model, cfg, stored: dict | None = None,
                      linears_at_8_bits=list(todo.at_8_bits),
                      linears_more_bits=list(todo.more_bits),
                      embeddings_stored_as=todo.embeddings_stored_as)
+    costs: dict = {}  # name -> (signal, noise) of what quantizing it cost (cost.py)
+    kept = set()  # the linears, and "embedding", kept on the source's 4-bit grid
     if todo.embedding is not None:
-        saved, done.table_on_source_grid = _quantize_tables(model, todo)
+        saved, done.table_on_source_grid = _quantize_tables(model, todo, costs)
         done.bytes_saved += saved
+        kept |= {"embedding"} if done.table_on_source_grid else set()
     if todo.recipe is None:
+        done.from_source = _from_source(todo, kept, costs)
         return done
     done.patches = patches.apply(QUANTIZE_PATCHES)
-    kept = keep_grids(model, todo.grids, todo.dynamic, todo.regrid)
-    kept_names = {name for name, _ in kept}
-    done.linears_on_source_grid = len(kept_names - set(todo.regrid))
-    done.linears_regridded = len(kept_names & set(todo.regrid))
-    done.from_source = _from_source(todo, kept_names
-                                    | ({"embedding"} if done.table_on_source_grid else set()))
-    done.bytes_saved += sum(saved for _, saved in kept) + _quantize_linears(model, todo)
+    on_grids = keep_grids(model, todo.grids, todo.dynamic, todo.regrid, costs)
+    linears = {name for name, _ in on_grids}
+    done.linears_on_source_grid = len(linears - set(todo.regrid))
+    done.linears_regridded = len(linears & set(todo.regrid))
+    done.bytes_saved += sum(saved for _, saved in on_grids) + _quantize_linears(model, todo, costs)
     done.linears_quantized = len(todo.linears)
+    done.from_source = _from_source(todo, kept | linears, costs)
     if todo.experts:
         # `--experts chosen` without verification, which would run them eagerly: each block's
         # experts quantized as the experts stage lowers them (lower.lower_experts), never all
@@ -122,8 +128,10 @@ def quantize(model, cfg, stored: dict | None = None,
     return done
 
 
-def _from_source(todo: Plan, kept: set) -> dict:
-    """{storage type: {what its tensors became: count}} over the source's linears and table."""
+def _from_source(todo: Plan, kept: set, costs: dict) -> dict:
+    """{storage type: {what its tensors became: {"tensors": count, "weight_sqnr_db": what it
+    cost}}} over the source's linears and table: the SQNR of their weights as the program holds
+    them against the file's (None where nothing changed), over all the tensors of the entry."""
     out: dict = {}
     for name, kind in todo.source_types.items():
         if name == "embedding":
@@ -138,67 +146,68 @@ def _from_source(todo: Plan, kept: set) -> dict:
             to = _form(*todo.linears[name])
         else:
             to = "float"
-        out.setdefault(kind, {})
-        out[kind][to] = out[kind].get(to, 0) + 1
-    return dict(sorted(out.items()))
+        entry = out.setdefault(kind, {}).setdefault(to, [0, 0.0, 0.0])
+        signal, noise = costs.get(name, (0.0, 0.0))
+        entry[0], entry[1], entry[2] = entry[0] + 1, entry[1] + signal, entry[2] + noise
+    return {kind: {to: {"tensors": n, "weight_sqnr_db": sqnr_db(signal, noise)}
+                   for to, (n, signal, noise) in became.items()}
+            for kind, became in sorted(out.items())}
 
 
 def _form(bits: int, group: int) -> str:
     return f"{bits}-bit " + ("per channel" if group == 0 else f"in groups of {group}")
 
 
-def _quantize_tables(model, todo: Plan) -> tuple[int, bool]:
+def _quantize_tables(model, todo: Plan, costs: dict) -> tuple[int, bool]:
     """The embedding tables at the plan's (bits, group), weight-only: a table the source stored
     on a 4-bit grid, asked at 4 bits in its blocks, keeps that grid exactly (grid.grid_table);
     others get min/max scales. Returns the bytes a decode step saves (those of the head, where
-    the head is the table) and whether the source's grid was kept."""
+    the head is the table) and whether the source's grid was kept; puts the table's (signal,
+    noise) in `costs` under "embedding"."""
     from torchao.quantization import quantize_
 
     bits, group = todo.embedding
     module = model.get_submodule(embedding_name(model))
     table = module.weight
+    before = sample(table)
     saved = table.numel() * table.element_size() - packed_bytes(table, bits, group)
     saved = saved if todo.head_in_table else 0
     if (bits, group) == (4, GRID_BLOCK) and todo.source_types.get("embedding") in GRID_TYPES:
         kept = grid_table(table)
         if kept is not None and not todo.head_in_table:  # a head applies it as a weight
             module.weight = nn.Parameter(kept, requires_grad=False)
+            costs["embedding"] = cost(before, module)
             return saved, True
     quantize_(model, torchao_config(bits, group, dynamic=False, algorithm="affine"),
               filter_fn=lambda m, fqn: isinstance(m, nn.Embedding) and (
                   group == 0 or m.embedding_dim % group == 0))
+    costs["embedding"] = cost(before, module)
     return saved, False
 
 
-def _quantize_linears(model, todo: Plan) -> int:
-    """Every planned linear not already on a kept grid, one torchao config per (bits, group);
-    returns the bytes a decode step saves. The largest linears (the head) go first: HQQ holds
-    several float copies of a weight while it works, and these then come while little else is
-    held. Each weight is quantized on its own, so the order changes no byte."""
+def _quantize_linears(model, todo: Plan, costs: dict) -> int:
+    """Every planned linear not already on a kept grid, each on its own through its (bits, group)
+    torchao config; returns the bytes a decode step saves, and puts each one's (signal, noise)
+    in `costs`. The largest linears (the head) go first, then the spared ones (8 bits per
+    channel): HQQ holds several float copies of a weight while it works, and these then come
+    while little else is held. Each weight is quantized on its own, so the order changes no
+    byte."""
     from torchao.quantization import quantize_
 
-    saved, pending = [], [0]  # float bytes quantized since checkpoint pages were last dropped
-
-    def chosen(bits: int, group: int, at_least: int):
-        def fits(module, fqn):
-            if (not isinstance(module, nn.Linear) or todo.linears.get(fqn) != (bits, group)
-                    or hasattr(module.weight, "qdata")  # a kept grid, already quantized
-                    or module.weight.numel() < at_least):
-                return False
-            saved.append(module.weight.numel() * module.weight.element_size()
-                         - packed_bytes(module.weight, bits, group))
-            pending[0] += module.weight.nbytes
-            if pending[0] >= DROP_PAGES_EVERY:  # those of the linears quantized before this one
-                drop_checkpoint_pages()
-                pending[0] = 0
-            return True
-        return fits
-
-    kinds = sorted(set(todo.linears.values()), key=lambda k: k != (8, 0))  # spared ones first
-    largest = max((m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear)),
-                  default=0)
-    for at_least in (largest, 0):
-        for bits, group in kinds:
-            quantize_(model, torchao_config(bits, group, todo.dynamic),
-                      filter_fn=chosen(bits, group, at_least))
-    return sum(saved)
+    linears = [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, nn.Linear)
+               and fqn in todo.linears and not hasattr(m.weight, "qdata")]  # not a kept grid
+    largest = max((m.weight.numel() for _, m in linears), default=0)
+    linears.sort(key=lambda n_m: (n_m[1].weight.numel() < largest, todo.linears[n_m[0]] != (8, 0)))
+    configs = {kind: torchao_config(*kind, todo.dynamic) for kind in set(todo.linears.values())}
+    saved, pending = 0, 0  # float bytes quantized since checkpoint pages were last dropped
+    for fqn, module in linears:
+        bits, group = todo.linears[fqn]
+        saved += module.weight.nbytes - packed_bytes(module.weight, bits, group)
+        pending += module.weight.nbytes
+        if pending >= DROP_PAGES_EVERY:  # those of the linears quantized before this one
+            drop_checkpoint_pages()
+            pending = 0
+        before = sample(module.weight)
+        quantize_(module, configs[bits, group], filter_fn=lambda m, f: True)
+        costs[fqn] = cost(before, module)
+    return saved

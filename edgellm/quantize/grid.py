@@ -114,13 +114,16 @@ class GridLinear(nn.Module):
         return self.linear(x) + self.offset(self.sums(x))
 
 
-def keep_grids(model, candidates, dynamic: bool, regrid=()) -> list[tuple[str, int]]:
+def keep_grids(model, candidates, dynamic: bool, regrid=(),
+               costs: dict | None = None) -> list[tuple[str, int]]:
     """Replace every linear of `candidates` (those the source stored as Q4_0 / Q4_1 / Q4_K)
     whose blocks lie on a grid by its 4-bit codes (a GridLinear where the grid is offset),
     after those of `regrid` (stored on no 4-bit grid) are requantized onto Q4_1's (`onto_q4_1`).
-    Returns (name, bytes saved) of each one kept; the others are left as they are."""
+    Returns (name, bytes saved) of each one kept; the others are left as they are. `costs`
+    gets each kept one's (signal, noise) against the source's weight (cost.cost)."""
     from torchao.quantization import quantize_
 
+    from .cost import cost, sample
     from .recipes import torchao_config
 
     exact, kept, sums = torchao_config(4, GRID_BLOCK, dynamic, "affine", exact=True), [], {}
@@ -129,6 +132,7 @@ def keep_grids(model, candidates, dynamic: bool, regrid=()) -> list[tuple[str, i
     for fqn, module in list(model.named_modules()):
         if fqn not in candidates or not isinstance(module, nn.Linear):
             continue
+        before = sample(module.weight)
         if fqn in regrid:
             module.weight.data = onto_q4_1(module.weight)
         found = block_grid(module.weight)
@@ -150,6 +154,8 @@ def keep_grids(model, candidates, dynamic: bool, regrid=()) -> list[tuple[str, i
             quantize_(module.offset, offsets_config, filter_fn=lambda m, f: True)
             module = module.linear
         quantize_(module, exact, filter_fn=lambda m, f: isinstance(m, nn.Linear))
+        if costs is not None:
+            costs[fqn] = cost(before, model.get_submodule(fqn))
     return kept
 
 
