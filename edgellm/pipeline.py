@@ -133,7 +133,8 @@ def export(cfg: ExportConfig, quiet: bool = False) -> dict:
     check_destination(dest, cfg.force)
     plan = plan_for(cfg)  # refuses unavailable backends before any heavy work
     stages = Stages(quiet=quiet)
-    with staging(dest, cfg.force) as tmp, contextlib.ExitStack() as run:
+    # patches last as long as the export: upstream's functions are back when it returns
+    with staging(dest, cfg.force) as tmp, contextlib.ExitStack() as run, patches.scope():
         check = None
         if cfg.verify:
             from .verification import Verification

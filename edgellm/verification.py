@@ -214,6 +214,7 @@ def verify(target, steps: int = 8) -> dict:
     Returns {"passed", "checks": [...], "perplexity"}; raises nothing for a failed check (see
     `enforce`). The eager model is made as the export made it (eager.eager_model), and checked
     by the same `Verification` an export feeds as it goes."""
+    from . import patches
     from .backends import plan_for
     from .config import resolve_config
     from .capture import export_forward
@@ -228,13 +229,14 @@ def verify(target, steps: int = 8) -> dict:
     cfg = resolve_config(config=folder / "config.yaml")
     plan = plan_for(cfg)
     check = Verification(cfg, plan, Stages(quiet=True), steps)
-    eager = eager_model(cfg, plan, check.stages, check.take)
-    if check.stand_in_needed:
-        check.take("export", {"forward": export_forward(eager.model, cfg.max_seq_len,
-                                                        plan.dynamic_shapes)})
-    del eager
-    release_memory()  # modules hold cycles (bound hooks): free the eager model now
-    check.take("files", folder)
+    with patches.scope():  # the quantization's, taken off again
+        eager = eager_model(cfg, plan, check.stages, check.take)
+        if check.stand_in_needed:
+            check.take("export", {"forward": export_forward(eager.model, cfg.max_seq_len,
+                                                            plan.dynamic_shapes)})
+        del eager
+        release_memory()  # modules hold cycles (bound hooks): free the eager model now
+        check.take("files", folder)
     return check.result
 
 

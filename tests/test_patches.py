@@ -1090,3 +1090,39 @@ def test_group_partitions_from_bit_masks_are_upstreams():
     found = partitions(True)
     assert found == partitions(False)
     assert ["sin"] in found  # merged with the rest, it would loop through cos
+
+
+def test_an_export_takes_its_patches_off_when_it_returns_or_fails(tiny_models, tmp_path,
+                                                                   monkeypatch):
+    """Patches last as long as an export: after `edgellm.export` returns, and after one that
+    fails midway, every upstream function is the original again (each pinned name resolves to
+    what it did before); a second export in the same process installs them again and writes
+    the same bytes."""
+    import edgellm.pipeline
+
+    every = patches.everything()
+    for p in every:  # what tests before this one in the process left installed
+        if p.installed():
+            p.restore()
+    upstream = {pin: patches.resolve(pin) for p in every for pin in p.pins}
+
+    def export(name):
+        return edgellm.export(tiny_models["llama"][0], output=tmp_path / name, verify=False,
+                              backends="xnnpack", quiet=True, etrecord=False, **SIZES)
+
+    first = export("one")
+    assert [n for n, why in first["patches"].items() if why == "on"]  # they were on meanwhile
+    assert not [p.name for p in every if p.installed()]
+    assert {pin: patches.resolve(pin) for pin in upstream} == upstream
+    assert export("two")["patches"] == first["patches"]
+    assert (tmp_path / "two" / "model.pte").read_bytes() == \
+        (tmp_path / "one" / "model.pte").read_bytes()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(edgellm.pipeline, "write_outputs", broken)
+    with pytest.raises(RuntimeError, match="disk full"):
+        export("three")
+    assert not [p.name for p in every if p.installed()]
+    assert not (tmp_path / "three").exists()

@@ -11,11 +11,14 @@ fails it, and the patch is not applied), and how to install it and put upstream'
 versions differ, a pinned function changed, or the environment turns it off with
 `EDGELLM_NO_PATCHES=all` or a comma-separated list of patch names or modules
 (`xnnpack.shared_weights`, `coreml`). Names are `<module>.<patch>`; a module is imported only
-when one of its patches is asked for, so Core ML's are never imported for XNNPACK.
+when one of its patches is asked for, so Core ML's are never imported for XNNPACK. Inside
+`scope()` (an export runs in one) every patch `apply` installs is taken off again when the block
+ends, also when it fails: a Python caller gets upstream's functions back.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import importlib.metadata
@@ -28,6 +31,7 @@ from ..errors import InputError
 
 SWITCH = "EDGELLM_NO_PATCHES"
 MODULES = ("xnnpack", "coreml", "vulkan", "exir", "fusion", "partition", "emit", "torchao")
+_SCOPES: list[list] = []  # per open scope(), the patches apply() installed in it
 
 
 @dataclass(frozen=True)
@@ -126,8 +130,24 @@ def apply(names) -> dict[str, str]:
                     patch.restore()
             elif not patch.installed():
                 patch.install()
+                if _SCOPES:
+                    _SCOPES[-1].append(patch)
             out[patch.name] = why or "on"
     return out
+
+
+@contextlib.contextmanager
+def scope():
+    """A block whose patches end with it: each one `apply` installs inside it is restored to
+    upstream's when the block ends, also on an exception, last installed first. A patch already
+    installed when the block began stays (whoever installed it takes it off)."""
+    _SCOPES.append([])
+    try:
+        yield
+    finally:
+        for patch in reversed(_SCOPES.pop()):
+            if patch.installed():
+                patch.restore()
 
 
 def _why_off(patch: Patch, off: set[str]) -> str | None:
