@@ -34,14 +34,15 @@ def weight_rows(module, start: int = 0, end: int | None = None) -> torch.Tensor:
 
 
 def sample(weight: torch.Tensor) -> list:
-    """The rows a cost is measured on, copied in float64 before the weight is quantized."""
-    return [(a, b, weight[a:b].detach().double().clone()) for a, b in spans(weight.shape[0])]
+    """The rows a cost is measured on, copied before the weight is quantized."""
+    return [(a, b, weight[a:b].detach().float().clone()) for a, b in spans(weight.shape[0])]
 
 
 def cost(sampled: list, module) -> tuple[float, float]:
     """(signal, noise) energies of `module`'s quantized rows against `sampled` (sample())."""
     signal = noise = 0.0
-    for a, b, before in sampled:
+    for a, b, before in sampled:  # summed in float64, a span at a time
+        before = before.double()
         signal += float(before.square().sum())
         noise += float((weight_rows(module, a, b).double() - before).square().sum())
     return signal, noise
