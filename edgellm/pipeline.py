@@ -183,6 +183,7 @@ def export(cfg: ExportConfig, quiet: bool = False) -> dict:
         rep.update(eager.weights_read, delegates=delegates)
         rep["state"], rep["kv_cache"] = eager.state, {**eager.kv_cache, **settled}
         rep["patches"] = {**(done.patches if done else {}), **applied}
+        rep["private_upstream"] = private_upstream(quiet)
         if done:
             rep["quantization"] = done.report()
         reports.write(rep, tmp)
@@ -198,6 +199,20 @@ def export(cfg: ExportConfig, quiet: bool = False) -> dict:
 
         enforce(rep["verify"], f"The program in {dest}")
     return rep
+
+
+def private_upstream(quiet: bool) -> dict:
+    """report.json's `private_upstream` (patches.private): each private upstream name edgellm
+    calls, "pinned" or what changed; stderr says when one changed."""
+    from .patches import private
+
+    found = private.status()
+    changed = {name: why for name, why in found.items() if why != "pinned"}
+    if changed and not quiet:
+        print("[edgellm] private upstream functions edgellm calls changed since it was tested: "
+              + "; ".join(f"{name}: {why}" for name, why in changed.items()), file=sys.stderr,
+              flush=True)
+    return found
 
 
 def inspect_delegates(plan, pte: Path, states: dict) -> dict:

@@ -1112,6 +1112,10 @@ def test_an_export_takes_its_patches_off_when_it_returns_or_fails(tiny_models, t
 
     first = export("one")
     assert [n for n, why in first["patches"].items() if why == "on"]  # they were on meanwhile
+    from edgellm.patches import private
+
+    assert set(first["private_upstream"].values()) == {"pinned"}
+    assert set(first["private_upstream"]) == {next(iter(p.pins)) for p in private.PINS}
     assert not [p.name for p in every if p.installed()]
     assert {pin: patches.resolve(pin) for pin in upstream} == upstream
     assert export("two")["patches"] == first["patches"]
@@ -1126,3 +1130,42 @@ def test_an_export_takes_its_patches_off_when_it_returns_or_fails(tiny_models, t
         export("three")
     assert not [p.name for p in every if p.installed()]
     assert not (tmp_path / "three").exists()
+
+
+def test_every_private_upstream_name_edgellm_calls_is_pinned():
+    """Outside patches/, each private name of torch, ExecuTorch, coremltools, torchao, gguf or
+    transformers that edgellm's code spells (an import, or an attribute it does not define
+    itself) is one a `patches.private` pin declares, and every pin matches what is installed
+    here; an export reports them (report.json's `private_upstream`)."""
+    import ast
+    from pathlib import Path
+
+    from edgellm.patches import private
+
+    root = Path(edgellm.__file__).parent
+    upstream = ("torch", "executorch", "coremltools", "torchao", "gguf", "transformers")
+    ours, spelled = set(), {}
+
+    def private_part(name: str) -> bool:
+        return name.startswith("_") and not name.startswith("__")
+
+    for path in root.rglob("*.py"):
+        if "patches" in path.relative_to(root).parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            where = f"{path.relative_to(root)}:{getattr(node, 'lineno', 0)}"
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                ours.add(node.name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and \
+                    ast.unparse(node.value) in ("self", "cls"):
+                ours.add(node.attr)
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in upstream:
+                for part in node.module.split(".") + [a.name for a in node.names]:
+                    if private_part(part):
+                        spelled.setdefault(part, where)
+            elif isinstance(node, ast.Attribute) and private_part(node.attr):
+                spelled.setdefault(node.attr, where)
+    declared = {name for pin in private.PINS for name in pin.uses}
+    assert {n: w for n, w in spelled.items() if n not in ours and n not in declared} == {}
+    assert not [n for n in declared if private_part(n) and n not in spelled], "a pin unused"
+    assert all(v == "pinned" for v in private.status().values()), private.status()

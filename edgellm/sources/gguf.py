@@ -142,7 +142,7 @@ def _parsed(path: str, size: int, mtime: int):
             for field in fields:
                 _, name, _, dims, kind, offset = field.parts
                 name = bytes(name).decode("utf-8", "replace")
-                if int(kind[0]) not in gguf.GGMLQuantizationType._value2member_map_:
+                if int(kind[0]) not in {t.value for t in gguf.GGMLQuantizationType}:
                     raise InputError(
                         f"{path}: tensor {name} is stored as ggml type {int(kind[0])}, which the "
                         f"installed gguf {version('gguf')} does not know (llama.cpp may be "
