@@ -7,9 +7,10 @@ on stderr, and report.json's `private_upstream` names it."""
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
-from . import installed_version, resolve, source_digest
+from . import MODULES, installed_version, resolve, source_digest
 
 
 @dataclass(frozen=True)
@@ -26,13 +27,23 @@ class Pin:
                if not installed_version(dist).startswith(prefix)]
         for path, digest in self.pins.items():
             try:
-                found = source_digest(resolve(path))
+                found = upstream_digest(path)
             except (ImportError, AttributeError, OSError, TypeError) as e:
                 out.append(f"{path} is gone ({type(e).__name__})")
                 continue
             if found != digest:
                 out.append(f"{path} changed upstream")
         return out
+
+
+def upstream_digest(path: str) -> str:
+    """The digest of upstream's `path`: where one of edgellm's patches has it replaced (an
+    export is under way), the one that patch read before installing itself."""
+    for module in MODULES:
+        for patch in getattr(sys.modules.get(f"{__package__}.{module}"), "PATCHES", ()):
+            if path in patch.found and patch.installed():
+                return patch.found[path]
+    return source_digest(resolve(path))
 
 
 EXECUTORCH, TORCH, GGUF = {"executorch": "1.5."}, {"torch": "2.13."}, {"gguf": "0.19."}
