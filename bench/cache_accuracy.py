@@ -20,7 +20,8 @@ import speed_vs_anchor  # noqa: F401  sets OMP_NUM_THREADS=1 before torch loads
 import torch  # noqa: E402
 
 from edgellm.numerics import compare  # noqa: E402
-from edgellm.runtime import Program, load_tokenizer, native_logs  # noqa: E402
+from edgellm.program import Program, native_logs  # noqa: E402
+from edgellm.sources.base import load_tokenizer  # noqa: E402
 from edgellm.verification import TEXT, perplexity  # noqa: E402
 
 

@@ -22,9 +22,9 @@ import speed_vs_anchor  # noqa: F401  sets OMP_NUM_THREADS=1 before torch loads
 
 import torch  # noqa: E402
 
-from edgellm.benchmark import (bandwidth_gbs, cache_bytes_read, decode_step,  # noqa: E402
+from edgellm.run.benchmark import (bandwidth_gbs, cache_bytes_read, decode_step,  # noqa: E402
                                report_of, timed)
-from edgellm.runtime import Program, native_logs  # noqa: E402
+from edgellm.program import Program, native_logs  # noqa: E402
 
 
 def main():

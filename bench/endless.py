@@ -15,7 +15,8 @@ from pathlib import Path
 import speed_vs_anchor  # noqa: F401  sets OMP_NUM_THREADS=1 before torch loads
 
 from edgellm.memory import peak_rss_mb, rss_mb  # noqa: E402
-from edgellm.runtime import Program, greedy, load_tokenizer, native_logs  # noqa: E402
+from edgellm.program import Program, greedy, native_logs  # noqa: E402
+from edgellm.sources.base import load_tokenizer  # noqa: E402
 from edgellm.verification import TEXT  # noqa: E402
 
 

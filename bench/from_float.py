@@ -113,7 +113,7 @@ def sensitivity(source: Path) -> None:
 
 def main(argv=None):
     from edgellm.numerics import compare
-    from edgellm.runtime import load_tokenizer
+    from edgellm.sources.base import load_tokenizer
     from edgellm.sources import load_source
     from edgellm.verification import TEXT, perplexity, transformers_model
 

@@ -16,7 +16,7 @@ import json
 import statistics
 import time
 
-from edgellm.openmp import one_thread_per_team
+from edgellm.run.openmp import one_thread_per_team
 
 one_thread_per_team()  # before torch is imported
 

@@ -18,8 +18,8 @@ from speed_vs_anchor import measure  # sets OMP_NUM_THREADS=1 before torch loads
 
 import torch  # noqa: E402
 
-from edgellm.benchmark import decode_step  # noqa: E402
-from edgellm.runtime import Program, native_logs  # noqa: E402
+from edgellm.run.benchmark import decode_step  # noqa: E402
+from edgellm.program import Program, native_logs  # noqa: E402
 
 
 def main():

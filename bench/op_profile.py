@@ -13,8 +13,8 @@ is one JSON object with every figure.
 
 The GEMMs' share says what a faster program could still win: decode that is nearly all GEMM is
 bound by XNNPACK's kernels (and so by memory bandwidth), whatever the graph around them. It runs
-with OMP_NUM_THREADS=1 unless set (edgellm/openmp.py: `llama::custom_sdpa`'s BLAS otherwise starts
-OpenMP teams that contend with XNNPACK's threadpool in this Python process).
+with OMP_NUM_THREADS=1 unless set (edgellm/run/openmp.py: `llama::custom_sdpa`'s BLAS otherwise
+starts OpenMP teams that contend with XNNPACK's threadpool in this Python process).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from edgellm.openmp import one_thread_per_team
+from edgellm.run.openmp import one_thread_per_team
 
 one_thread_per_team()  # before torch is imported
 

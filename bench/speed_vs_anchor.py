@@ -19,14 +19,14 @@ import json
 import statistics
 from pathlib import Path
 
-from edgellm.openmp import one_thread_per_team
+from edgellm.run.openmp import one_thread_per_team
 
-one_thread_per_team()  # before torch is imported (edgellm/openmp.py); both programs alike
+one_thread_per_team()  # before torch is imported (edgellm/run/openmp.py); both programs alike
 
 import torch  # noqa: E402
 
-from edgellm.benchmark import bandwidth_gbs, decode_step, timed  # noqa: E402
-from edgellm.runtime import Program, native_logs  # noqa: E402
+from edgellm.run.benchmark import bandwidth_gbs, decode_step, timed  # noqa: E402
+from edgellm.program import Program, native_logs  # noqa: E402
 
 
 def measure(program, prompt: list[int], steps: int, calls: int = 3) -> tuple[float, float]:

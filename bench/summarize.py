@@ -20,7 +20,7 @@ def decode_speed(pte: Path, prefill=64, steps=32):
     import torch
     from speed_vs_anchor import measure  # bench/, this script's folder
 
-    from edgellm.runtime import Program
+    from edgellm.program import Program
 
     prompt = torch.randint(0, 60000, (prefill,), generator=torch.Generator().manual_seed(0))
     prefill_tok_s, decode_tok_s = measure(Program(pte), prompt.tolist(), steps)
@@ -98,7 +98,7 @@ if __name__ == "__main__":
     if sys.argv[1] == "--table":
         table(sys.argv[2], sys.argv[3])
     else:
-        from edgellm.openmp import one_thread_per_team
+        from edgellm.run.openmp import one_thread_per_team
 
         one_thread_per_team()  # before torch is imported: programs run as in edgellm bench
         summarize(*sys.argv[1:4])

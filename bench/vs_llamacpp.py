@@ -60,7 +60,7 @@ def export(gguf: str, dest: Path, backend: str, options=(), max_seq_len: int = T
 
 
 def program_logits(pte: Path, ids: list[int]) -> torch.Tensor:
-    from edgellm.runtime import Program
+    from edgellm.program import Program
     from edgellm.verification import run_steps
 
     program = Program(pte)
@@ -84,7 +84,7 @@ def edgellm_speed(dest: Path) -> dict:
 
 
 def compare_file(gguf: str, out: Path, backend: str, speed: bool) -> dict:
-    from edgellm.runtime import load_tokenizer
+    from edgellm.sources.base import load_tokenizer
     from edgellm.sources import load_source
     from edgellm.verification import TEXT, perplexity, transformers_model
 

@@ -39,7 +39,7 @@ def bench(target, prompt_lengths=(64,), steps: int = 32, repeats: int = 3, depth
     """Load time, time to first token, prefill and decode speed, peak RSS and decode against the
     memory-bandwidth floor measured in the same run, for an exported program on this machine;
     `depths`: the same again after a context of each many tokens."""
-    from .benchmark import bench as run
+    from .run.benchmark import bench as run
 
     return run(target, prompt_lengths=prompt_lengths, steps=steps, repeats=repeats, depths=depths)
 
@@ -50,7 +50,7 @@ def generate(pte, prompt: str, n: int = 32, tokenizer=None, on_text=None, *, cha
     as `sampling` (sampling.Sampling's fields: temperature, top_k, top_p, min_p,
     repetition_penalty, seed, stop) says; up to `n` tokens; `chat`: the prompt as a user
     message in the model's chat template; `on_text` receives the text as it grows."""
-    from .session import generate as run
+    from .run.session import generate as run
 
     return run(pte, prompt, n=n, tokenizer=tokenizer, on_text=on_text, chat=chat, **sampling)
 

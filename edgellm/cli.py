@@ -15,7 +15,7 @@ import typing
 
 from .errors import EdgeLLMError
 from .memory import YOUNG_COLLECTION_EVERY
-from .openmp import one_thread_per_team
+from .run.openmp import one_thread_per_team
 
 
 def _export_parser(sub):
@@ -80,7 +80,7 @@ def sampling_flags(parser) -> None:
     """Sampling's fields as flags (--top-k for top_k), but max_tokens (each command's -n)."""
     import dataclasses
 
-    from .sampling import HELP, Sampling
+    from .run.sampling import HELP, Sampling
 
     for f in dataclasses.fields(Sampling):
         if f.name == "max_tokens":
@@ -96,7 +96,7 @@ def sampling_flags(parser) -> None:
 def sampling_of(a) -> dict:
     import dataclasses
 
-    from .sampling import Sampling
+    from .run.sampling import Sampling
 
     return {f.name: getattr(a, f.name) for f in dataclasses.fields(Sampling)
             if f.name != "max_tokens"}
@@ -117,14 +117,14 @@ def cmd_generate(a) -> int:
 
 
 def cmd_chat(a) -> int:
-    from .chat import chat
+    from .run.chat import chat
 
     chat(a.target, n=a.n, system=a.system, **sampling_of(a))
     return 0
 
 
 def cmd_serve(a) -> int:
-    from .serve import serve
+    from .run.serve import serve
 
     serve(a.target, host=a.host, port=a.port, queue=a.queue)
     return 0
@@ -161,9 +161,9 @@ def quiet_libraries() -> None:
     warnings.simplefilter("ignore")
     os.environ.setdefault("TQDM_DISABLE", "1")  # coremltools' per-pass progress bars
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # set again on its import
-    from . import runtime
+    from . import program
 
-    runtime.QUIET_NATIVE_LOGS = True
+    program.QUIET_NATIVE_LOGS = True
     for name in ("torchao", "torch.utils._pytree", "coremltools",
                  "executorch.backends.apple.coreml.compiler.coreml_preprocess"):
         logging.getLogger(name).setLevel(logging.ERROR)
@@ -188,7 +188,7 @@ def cmd_verify(a) -> int:
 
 def cmd_bench(a) -> int:
     from . import bench
-    from .benchmark import table
+    from .run.benchmark import table
 
     try:
         lengths = [int(n) for n in a.prompt_lengths.split(",") if n.strip()]
@@ -227,7 +227,7 @@ def cmd_sweep(a) -> int:
 
 
 def cmd_explore(a) -> int:
-    from .explore import explore
+    from .report.explore import explore
 
     explore(a.target, port=a.port, browser=a.browser)
     return 0
@@ -331,8 +331,8 @@ def main(argv=None) -> int:
         a.args += extra  # MODEL and key=value may come after the options too
     elif extra:
         parser.error(unrecognized(extra, a.command))
-    if a.command in ("bench", "generate", "chat", "serve"):  # they only run programs (openmp.py);
-        one_thread_per_team()  # before anything imports torch
+    if a.command in ("bench", "generate", "chat", "serve"):  # they only run programs:
+        one_thread_per_team()  # before anything imports torch (run/openmp.py)
     if not a.debug:
         quiet_libraries()
     run = {"export": cmd_export, "generate": cmd_generate, "models": cmd_models,

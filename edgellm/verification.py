@@ -365,7 +365,7 @@ class Verification:
     def collect(self, forward, prefill) -> list:
         """Logits along every case, the prompt in one call and then a token per call, as the
         program runs; eager custom ops log from C++ like the runtime's kernels."""
-        from .runtime import native_logs
+        from .program import native_logs
 
         with torch.no_grad(), native_logs():
             return [run_steps(forward, prefill, p, t) for p, t in self.cases]
@@ -376,7 +376,7 @@ class Verification:
         activation scales), without a pass over every weight per generated token (dequantizing
         them, for a quantized model). A case with no prompt gives logits after each token of its
         continuation but the last, as run_steps does for the text."""
-        from .runtime import native_logs
+        from .program import native_logs
 
         with torch.no_grad(), native_logs():
             return [sequence_logits(model, p + t[:-1], self.cfg.max_seq_len)[max(len(p) - 1, 0):]
@@ -384,7 +384,7 @@ class Verification:
 
     def _stand_in(self, exported) -> None:
         """The exported graph (an ExportedProgram of `forward`) in place of the program."""
-        from .runtime import native_logs
+        from .program import native_logs
 
         graph = exported.module()
         prefill = eager_prefill(graph) if self.plan.dynamic_shapes else one_by_one(graph)
@@ -396,7 +396,7 @@ class Verification:
         self.candidate = (actual, text_logits)
 
     def _finish(self, folder: Path) -> dict:
-        from .runtime import native_logs
+        from .program import native_logs
 
         cfg, checks, expected = self.cfg, list(self.checks), self.expected
         if self.stand_in_needed:
@@ -406,7 +406,7 @@ class Verification:
                     "cannot run it; the exported graph before lowering was checked")
             actual, text_logits = self.candidate
         else:
-            from .runtime import Program
+            from .program import Program
 
             program = Program(folder / "model.pte")
             level, note = "program", ""

@@ -100,7 +100,7 @@ def sink_program(one_layer, tmp_path_factory):
 def test_program_is_streaming_llm_far_past_the_context(sink_program, ids, streaming_llm):
     """The XNNPACK program through ExecuTorch's runtime, positions to 59 in a context of 16;
     its report gives each layer's sink and ring slots."""
-    from edgellm.runtime import Program
+    from edgellm.program import Program
 
     folder, report = sink_program
     program = Program(folder / "model.pte")
@@ -115,7 +115,7 @@ def test_program_is_streaming_llm_far_past_the_context(sink_program, ids, stream
 
 def test_program_generates_ten_thousand_tokens_in_flat_memory(sink_program):
     from edgellm.memory import rss_mb
-    from edgellm.runtime import Program, greedy, native_logs
+    from edgellm.program import Program, greedy, native_logs
 
     program, resident = Program(sink_program[0] / "model.pte"), {}
     with native_logs():
@@ -156,9 +156,9 @@ def test_generate_goes_on_past_the_context(sink_program, monkeypatch):
     """A session asks a sink program for every token requested, positions past the context
     included (a program without sinks gets at most max_context_len minus the prompt); the
     tokens' positions run on from the prompt's."""
-    from edgellm.runtime import Program
-    from edgellm.sampling import Sampling
-    from edgellm.session import Session
+    from edgellm.program import Program
+    from edgellm.run.sampling import Sampling
+    from edgellm.run.session import Session
 
     seen, real = [], Program.forward
     monkeypatch.setattr(Program, "forward", lambda self, tokens, input_pos: seen.append(

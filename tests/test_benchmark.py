@@ -43,7 +43,7 @@ def test_bench_refuses_prompts_longer_than_the_cache(exported, capsys):
 
 def test_bench_runs_programs_with_one_thread_per_openmp_team(exported):
     """`edgellm bench` (its own process) sets OMP_NUM_THREADS=1 before torch loads OpenMP, unless
-    the user set it; the figures say which (edgellm/openmp.py)."""
+    the user set it; the figures say which (edgellm/run/openmp.py)."""
     folder = exported("llama")[0]
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     for setting, expected in ((None, "1"), ("2", "2")):
@@ -55,7 +55,7 @@ def test_bench_runs_programs_with_one_thread_per_openmp_team(exported):
 
 
 def test_openmp_is_left_alone_once_torch_is_imported():
-    code = ("import os, torch\nfrom edgellm.openmp import one_thread_per_team\n"
+    code = ("import os, torch\nfrom edgellm.run.openmp import one_thread_per_team\n"
             "print(one_thread_per_team(), os.environ.get('OMP_NUM_THREADS'))")
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
@@ -66,7 +66,7 @@ def test_openmp_is_left_alone_once_torch_is_imported():
 def test_bandwidth_puts_torch_threads_back():
     import torch
 
-    from edgellm.benchmark import bandwidth_gbs
+    from edgellm.run.benchmark import bandwidth_gbs
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

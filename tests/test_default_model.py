@@ -66,8 +66,8 @@ def test_the_demo_asks_through_the_chat_template_and_stops_at_the_end_of_the_tur
     import shlex
     from pathlib import Path
 
-    from edgellm.sampling import Sampling
-    from edgellm.session import Session
+    from edgellm.run.sampling import Sampling
+    from edgellm.run.session import Session
 
     demo = next(line for line in (Path(__file__).parents[1] / "run.sh").read_text().splitlines()
                 if "edgellm generate" in line)

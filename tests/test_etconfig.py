@@ -58,7 +58,7 @@ def test_xnnpack_config_runs_unchanged_and_the_program_runs(lfm2_pth, prompt_ids
     transformers; its fp32 twin differs only in the quantization section (next test)."""
     from conftest import cached_run, reference_run
     from edgellm.numerics import compare
-    from edgellm.runtime import Program
+    from edgellm.program import Program
 
     pth, _, hf = lfm2_pth
     assert main(seed_command("lfm2_xnnpack_q8da4w.yaml", pth, tmp_path / "x")) == 0

@@ -132,7 +132,7 @@ FAST = dict(verify=False, etrecord=False, **LONG)  # the test itself compares wi
 def test_program_matches_transformers_past_every_window(exported, prompt, references, family):
     """XNNPACK `.pte` through the ExecuTorch runtime, against transformers, past every ring; its
     delegates at most one per attention layer, plus two."""
-    from edgellm.runtime import Program
+    from edgellm.program import Program
 
     folder, report = exported(family, **FAST)
     tokens, expected = references[family]

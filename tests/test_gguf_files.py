@@ -150,7 +150,7 @@ def test_a_float_export_of_a_llamacpp_file_generates_transformers_tokens(tmp_pat
     from conftest import PROMPT, SIZES
     from edgellm.architectures import build_model, load_deferred
     from edgellm.architectures.layers import ModelOptions
-    from edgellm.runtime import Program, greedy
+    from edgellm.program import Program, greedy
     from edgellm.verification import transformers_model
 
     name = "llama-Q4_K_M.gguf"

@@ -130,7 +130,7 @@ def test_chat_renders_the_file_s_template_into_llamacpp_s_ids(name, files):
     session's chat (what `edgellm chat` and `serve` send the program) renders a conversation into
     the prompt llama.cpp's chat completion renders and the ids it tokenizes it to (special tokens
     parsed, Phi-3's whitespace after them stripped)."""
-    from edgellm.session import Session
+    from edgellm.run.session import Session
 
     file, expected = files(name), MANIFEST["files"][name]["llama_cpp"]["chat"]
     assert (file.folder / "chat_template.jinja").read_text() == file.template

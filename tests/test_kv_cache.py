@@ -32,7 +32,7 @@ def test_int8_cache_program_past_every_window(tiny_models, exported, prompt):
     positions through the ladder (prompt, single tokens, 16 tokens onto a wrapped ring): the
     program is the eager int8 model to float rounding, and within the cache's bounds of
     transformers, which the same eager model with float caches matches exactly."""
-    from edgellm.runtime import Program
+    from edgellm.program import Program
 
     folder, hf = tiny_models["gemma3_text"]
     tokens, expected = transformers_run(hf, prompt)
@@ -121,7 +121,7 @@ def test_unknown_cache_dtype_is_one_problem(tiny_models, tmp_path):
 def test_portable_int8_program_is_the_xnnpack_one(tiny_models, exported, prompt):
     """Portable has no custom ops of its own: an int8 cache makes it write attention with
     ExecuTorch's llama:: ops, the same kernels as XNNPACK's program, so the same logits."""
-    from edgellm.runtime import Program
+    from edgellm.program import Program
 
     tokens, _ = transformers_run(tiny_models["gemma3_text"][1], prompt)
     runs = [ladder_run(Program(exported("gemma3_text", backends=b, **INT8)[0] /
@@ -220,7 +220,7 @@ def test_a_32k_context_runs_at_its_far_end(tiny_models, tmp_path):
     """Nothing in the program is sized for short contexts: at max_context_len 32768 a call at
     position 32767 gives the eager model's logits (the cache between holds zeros, on both
     sides)."""
-    from edgellm.runtime import Program
+    from edgellm.program import Program
     from edgellm.sources import load_source
 
     folder = tiny_models["llama"][0]

@@ -86,7 +86,7 @@ def follows_its_eager_model(folder, tiny_models, min_sqnr_db=None, **options) ->
     from edgellm.backends import plan_for
     from edgellm.eager import eager_model
     from edgellm.progress import Stages
-    from edgellm.runtime import Program
+    from edgellm.program import Program
 
     cfg = ExportConfig(model=tiny_models["lfm2_moe"][0], **options, **LONG)
     model = eager_model(cfg, plan_for(cfg), Stages(quiet=True)).model
@@ -307,7 +307,7 @@ def test_float_expert_program_matches_transformers(exported, tiny_models):
     call, then one (Qwen3-MoE's unnormalised softmax weights, a dense layer between)."""
     from test_families import ladder_run, transformers_run
 
-    from edgellm.runtime import Program
+    from edgellm.program import Program
 
     prompt = [int(x) for x in torch.randint(2, 160, (12,),
                                             generator=torch.Generator().manual_seed(0))]

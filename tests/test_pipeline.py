@@ -11,7 +11,7 @@ import edgellm
 from conftest import (SIZES, assert_logits_close, cached_run, cached_run_one_by_one,
                       reference_run)
 from edgellm.config import ExportConfig
-from edgellm.runtime import Program
+from edgellm.program import Program
 
 
 @pytest.mark.parametrize("arch", ["lfm2", "llama", "qwen2", "qwen3"])

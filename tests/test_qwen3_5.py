@@ -56,7 +56,7 @@ def test_program_takes_a_prompt_of_any_length_in_one_call(tiny_models, exported,
     """The prompt in one call (T dynamic: the kernel runs the recurrence over every token), then
     a token per call to position 44, against transformers over the whole sequence; a second
     sequence in the same program starts from zeroed states."""
-    from edgellm.runtime import Program
+    from edgellm.program import Program
 
     hf = tiny_models["qwen3_5_text"][1]
     folder, report = exported("qwen3_5_text", **XNNPACK)
@@ -75,7 +75,7 @@ def test_program_takes_a_prompt_of_any_length_in_one_call(tiny_models, exported,
 def test_prefill_and_forward_continue_one_sequence(tiny_models, exported, sequence):
     """29 tokens as 3 calls of `prefill` (8 each) and one of `forward` (5): both methods read and
     write the same conv and recurrent states (one buffer each for both methods)."""
-    from edgellm.runtime import Program
+    from edgellm.program import Program
 
     hf = tiny_models["qwen3_5_text"][1]
     program = Program(exported("qwen3_5_text", **XNNPACK)[0] / "model.pte")

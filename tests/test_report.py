@@ -1,4 +1,4 @@
-"""What an export reports (edgellm/report.py): `compare`, the seed's results table for two exports,
+"""What an export reports (edgellm/report/): `compare`, the seed's results table for two exports,
 and every op whose count moved."""
 
 import json

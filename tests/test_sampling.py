@@ -1,10 +1,10 @@
-"""Sampling (edgellm/sampling.py): greedy by default, draws that follow the warped distribution,
+"""Sampling (edgellm/run/sampling.py): greedy by default, draws that follow the warped distribution,
 seeds that repeat, stop strings held back until they are known, and ranges refused by name."""
 
 import pytest
 import torch
 
-from edgellm.sampling import Sampler, Sampling, StopText
+from edgellm.run.sampling import Sampler, Sampling, StopText
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
 

@@ -1,4 +1,4 @@
-"""`edgellm serve` (edgellm/serve.py) driven through real HTTP on 127.0.0.1: the official
+"""`edgellm serve` (edgellm/run/serve.py) driven through real HTTP on 127.0.0.1: the official
 `openai` client, bad requests, a full queue, a client that leaves, 16 concurrent clients, and
 random bodies that must never get a 5xx."""
 
@@ -13,9 +13,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from edgellm.runtime import Program
-from edgellm.sampling import Sampling
-from edgellm.session import Session
+from edgellm.program import Program
+from edgellm.run.sampling import Sampling
+from edgellm.run.session import Session
 
 
 @contextlib.contextmanager
@@ -24,7 +24,7 @@ def serving(folder, endless=False, **options):
     `endless`: the program's end-of-sequence ids are not stops (a reply runs its max_tokens)."""
     import uvicorn
 
-    from edgellm.serve import app
+    from edgellm.run.serve import app
 
     api = app(folder, **options)
     if endless:

@@ -1,4 +1,4 @@
-"""Sessions (edgellm/session.py) and `edgellm chat`: a sequence that extends what the program's
+"""Sessions (edgellm/run/session.py) and `edgellm chat`: a sequence that extends what the program's
 caches hold prefills only its new tokens and gives the tokens a fresh run of the whole sequence
 gives (greedy); the chat template ships with the export; the REPL reads a message a line."""
 
@@ -9,8 +9,8 @@ import pytest
 
 import edgellm
 from edgellm.cli import main
-from edgellm.sampling import Sampling
-from edgellm.session import Session
+from edgellm.run.sampling import Sampling
+from edgellm.run.session import Session
 
 GREEDY = Sampling(max_tokens=6)
 

@@ -1,4 +1,4 @@
-"""`edgellm sweep` (edgellm/sweeps.py, sweeps_ray.py, pages.py): recipe names, the plan and its
+"""`edgellm sweep` (edgellm/sweeps/, report/pages.py): recipe names, the plan and its
 keys, a sweep of a tiny model run here and on a local Ray cluster (the same rows), resuming, a
 failed export as a row, and the pages in a real headless browser (Debian's chromium)."""
 

@@ -268,7 +268,7 @@ def kv_cache_report(lm: nn.Module) -> dict:
     """The KV caches alone: their dtype, bytes in all, bytes per cached position (every layer's
     keys and values of one position, scales included), and per attention layer its slots (the
     context, or a ring's length), window and buffer shapes. A decode step at depth d reads
-    bytes_per_position times min(d, slots) of each layer (benchmark.py's floor)."""
+    bytes_per_position times min(d, slots) of each layer (run/benchmark.py's floor)."""
     layers = []
     for i, layer in enumerate(lm.model.layers):
         cache = next((m for m in layer.modules() if isinstance(m, KVCache)), None)

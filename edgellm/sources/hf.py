@@ -139,7 +139,7 @@ def _folder_tokenizer(folder: Path):
     tokenizer.json, which is read now, so an unreadable one is refused before any work."""
     if not (folder / "tokenizer.json").is_file():
         return (lambda out: False), (lambda: None)
-    from ..runtime import load_tokenizer
+    from .base import load_tokenizer
 
     tokenizer = load_tokenizer(folder / "tokenizer.json")
 
@@ -158,7 +158,7 @@ def tokenizer_files(path: Path):
     if path.is_dir() and (path / "tokenizer.json").is_file():
         return _folder_tokenizer(path)
     if path.is_file() and path.suffix == ".json":
-        from ..runtime import load_tokenizer
+        from .base import load_tokenizer
 
         tokenizer = load_tokenizer(path)
         return (lambda out: bool(shutil.copyfile(path, out / "tokenizer.json"))), (

@@ -42,7 +42,7 @@ class Sampling:
     def of(cls, **options) -> "Sampling":
         """From keyword options (edgellm.generate's, chat's): an unknown one refused by name, a
         single stop string taken as one."""
-        from .errors import InputError
+        from ..errors import InputError
 
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(options) - known)

@@ -218,7 +218,7 @@ def verified(r: dict) -> str:
 
 def load(path) -> dict:
     """A report.json, or the export folder holding one."""
-    from .errors import InputError
+    from ..errors import InputError
 
     p = Path(path)
     p = p / "report.json" if p.is_dir() else p
@@ -237,7 +237,7 @@ COLUMNS = ("subgraphs", "delegated_nodes", "non_delegated_nodes")
 def compare(a: dict, b: dict, method: str = "forward") -> dict:
     """A results table of two reports (subgraphs, delegated and non-delegated nodes, deprecation
     warnings), and every op whose count changed."""
-    from .errors import InputError
+    from ..errors import InputError
 
     rows, ops = {}, {}
     for label, r in (("A", a), ("B", b)):

@@ -54,7 +54,7 @@ def plotly_js() -> str:
     try:
         return (files("plotly") / "package_data" / "plotly.min.js").read_text(encoding="utf-8")
     except (ModuleNotFoundError, FileNotFoundError) as e:
-        from .errors import InputError
+        from ..errors import InputError
 
         raise InputError(f"edgellm's HTML reports inline Plotly's JavaScript from the `plotly` "
                          f"package, which is missing ({e}): pip install plotly") from e

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 
-from .errors import InputError
+from ..errors import InputError
 from .sampling import Sampling
 from .session import Session
 

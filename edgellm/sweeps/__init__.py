@@ -8,7 +8,7 @@ its backend runs here) benchmarked, into one folder with a row per export.
     DIR/index.html            the rows as charts and a sortable table (sweep_page.py)
 
 Every export is `edgellm export` in a process of its own, started by the same function whether
-the sweep runs here (as many at once as memory allows) or as Ray tasks (sweeps_ray.py): the rows
+the sweep runs here (as many at once as memory allows) or as Ray tasks (sweeps/ray.py): the rows
 are the same either way. A row is reused when its export's config, input files and library
 versions are those of the row (`key`), so an interrupted or extended sweep does only what is new;
 a failed export is a row with its error, and is tried again by the next sweep. Benchmarks run
@@ -31,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-from .errors import ConfigError, InputError
+from ..errors import ConfigError, InputError
 
 # A recipe name is parts joined by "+": a dtype, a linear recipe with an optional group, an
 # embedding recipe with an optional group, int8 KV caches. "-pc" is per channel (group 0).
@@ -87,8 +87,8 @@ def plan(model, backends: list[str], recipes: list[str], output: Path,
          overrides: dict) -> tuple[list[Job], list[str]]:
     """The jobs of a sweep, and a line for each (backend, recipe) the export's own validation
     refuses (e.g. a weight-only recipe on XNNPACK), which is left out."""
-    from .backends import BACKENDS
-    from .config import dump_yaml, from_dict
+    from ..backends import BACKENDS
+    from ..config import dump_yaml, from_dict
 
     if not backends or not recipes:
         raise InputError("a sweep needs at least one backend (--backends) and one recipe "
@@ -135,7 +135,7 @@ def _precision(backend, options: dict, common: dict) -> dict:
 
 
 def model_path(model) -> Path:
-    from .sources import default_model_path
+    from ..sources import default_model_path
 
     return Path(model) if model else default_model_path()
 
@@ -194,7 +194,7 @@ def estimate_mb(parameters: int, backend: str, cfg) -> int:
     copies, (verify) transformers' fp32 model, (a linear recipe) the quantized copies, and what
     the backend's build holds more (Core ML's fp16 copy). A mixture of experts quantized in a
     stream takes far less than this says."""
-    from .backends import get_backend
+    from ..backends import get_backend
 
     per = (BYTES_PER_PARAMETER + VERIFY_BYTES * cfg.verify + QUANTIZE_BYTES * bool(cfg.quantize)
            + get_backend(backend).build_bytes_per_parameter)
@@ -391,7 +391,7 @@ def load_rows(out: Path) -> list[dict]:
 
 def write_results(out: Path, rows: list[dict]) -> None:
     """results.json, results.csv and index.html, each replaced whole (a reader never sees half)."""
-    from .pages import sweep_page
+    from ..report.pages import sweep_page
 
     texts = {"results.json": json.dumps(rows, indent=2) + "\n", "results.csv": csv_text(rows),
              "index.html": sweep_page(rows, title=f"edgellm sweep: {out.name}")}
@@ -411,7 +411,7 @@ def csv_text(rows: list[dict]) -> str:
     import csv
     import io
 
-    from .pages import value as field
+    from ..report.pages import value as field
 
     buf = io.StringIO()
     writer = csv.writer(buf, lineterminator="\n")
@@ -457,7 +457,7 @@ def describe_speed(speed: dict) -> str:
 
 
 def available_mb() -> int | None:
-    from .memory import available_bytes
+    from ..memory import available_bytes
 
     have = available_bytes()
     return have // 2**20 if have else None
@@ -525,6 +525,6 @@ def _interrupting_children():
 
 
 def _ray_runner(address: str):
-    from .sweeps_ray import RayRunner
+    from .ray import RayRunner
 
     return RayRunner(address, run_export, run_bench, first_fields)

@@ -14,8 +14,9 @@ from typing import Callable, Iterator
 
 import torch
 
-from .errors import InputError
-from .runtime import Program, load_tokenizer
+from ..errors import InputError
+from ..program import Program
+from ..sources.base import load_tokenizer
 from .sampling import Sampler, Sampling, StopText
 
 

@@ -17,7 +17,7 @@ import uuid
 from pathlib import Path
 from typing import Literal, Union
 
-from .errors import InputError
+from ..errors import InputError
 from .sampling import Sampling
 from .session import Session
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .errors import InputError
+from ..errors import InputError
 
 EXTENSION = "executorch_extension_model_explorer"
 

@@ -1,6 +1,7 @@
-"""Running a .pte through the ExecuTorch runtime behind the same interface as the eager model:
+"""A .pte through the ExecuTorch runtime behind the same interface as the eager model:
 `forward(tokens[1, T], input_pos[1]) -> logits[1, V]`, plus a bare greedy decode loop (no
-tokenizer, nothing kept per token); generation with sampling and a tokenizer is session.py's."""
+tokenizer, nothing kept per token). Verification and the run side (run/) both run programs
+through it; generation with sampling and a tokenizer is run/session.py's."""
 
 from __future__ import annotations
 
@@ -143,16 +144,3 @@ def greedy(step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
             return
         logits = step(torch.tensor([[tok]], dtype=torch.long), torch.tensor([pos]))
         pos += 1
-
-
-def load_tokenizer(path: Path):
-    from tokenizers import Tokenizer
-
-    file = path / "tokenizer.json" if path.is_dir() else path
-    if not file.is_file():
-        raise InputError(f"No tokenizer at {file}. Pass --tokenizer PATH/tokenizer.json; an "
-                         "export writes one beside model.pte when the model folder has one.")
-    try:
-        return Tokenizer.from_file(str(file))
-    except Exception as e:  # tokenizers raises a bare Exception for malformed files
-        raise InputError(f"{file} is not a readable tokenizer.json ({e}).") from None

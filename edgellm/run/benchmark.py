@@ -18,13 +18,13 @@ from pathlib import Path
 
 import torch
 
-from .errors import InputError
+from ..errors import InputError
 
 
 def bandwidth_gbs(megabytes: int = 1024, repeats: int = 5) -> float:
     """Memory read bandwidth: the best of `repeats` sums over a tensor far larger than caches, on
     every core this process may use (also when OMP_NUM_THREADS=1 keeps programs' OpenMP teams to
-    one thread, edgellm/openmp.py: torch's own threads here are this thread's setting, so it can
+    one thread, edgellm/run/openmp.py: torch's own threads here are this thread's setting, so it can
     be raised)."""
     x = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32)
     best, threads = float("inf"), torch.get_num_threads()
@@ -52,8 +52,8 @@ def bench(target, prompt_lengths=(64,), steps: int = 32, repeats: int = 3,
     per-token time over `steps` calls, best of `repeats` runs), peak RSS and effective bandwidth;
     with `depths`, prefill (of the first prompt length) and decode again after a context of each
     many tokens, with the floor of the bytes a step reads there (at_depths)."""
-    from .memory import peak_rss_mb
-    from .runtime import Program, native_logs
+    from ..memory import peak_rss_mb
+    from ..program import Program, native_logs
 
     pte = Path(target) / "model.pte" if Path(target).is_dir() else Path(target)
     t0 = time.perf_counter()
@@ -97,8 +97,8 @@ def at_depths(program, depths: list[int], n: int, steps: int, repeats: int) -> d
     """Prefill of `n` tokens and decode after a context of each depth (ascending: the context is
     filled once, each depth continuing the last), best of `repeats`; peak RSS after each (cache
     pages count once written)."""
-    from .memory import peak_rss_mb
-    from .runtime import native_logs
+    from ..memory import peak_rss_mb
+    from ..program import native_logs
 
     g = torch.Generator().manual_seed(1)
     vocab = int(program.meta.get("get_vocab_size", 1000))

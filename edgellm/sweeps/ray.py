@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .errors import InputError
+from ..errors import InputError
 
 
 def _export_task(run_export, first_fields, job, output: str) -> dict:
