@@ -63,6 +63,18 @@ def test_no_import_cycle_in_the_package():
     assert cycle == [], " -> ".join(cycle[0])
 
 
+def test_the_export_stages_import_neither_the_run_side_nor_the_sweep():
+    """run/ (what uses a written program) and sweeps/ sit beside the export: only the entry
+    points (cli.py, __init__.py) and those packages themselves import them."""
+    sides = ("edgellm.run", "edgellm.sweeps")
+    entry = {"edgellm", "edgellm.cli"}
+    graph = {module_name(p): imports(p) for p in PACKAGE.rglob("*.py")}
+    assert {"edgellm.run.session", "edgellm.sweeps"} <= set(graph)  # the scan sees them
+    crossing = {(m, i) for m, found in graph.items() if m not in entry
+                and not m.startswith(sides) for i in found if i.startswith(sides)}
+    assert crossing == set()
+    assert any(i.startswith("edgellm.run") for i in graph["edgellm.cli"])  # the scan sees those
+
 def test_importing_edgellm_imports_no_torch_nor_executorch():
     code = ("import sys, edgellm, edgellm.config, edgellm.cli; "
             "print(sorted(m for m in ('torch', 'executorch', 'coremltools', 'transformers') "
