@@ -13,12 +13,18 @@ import hashlib
 import json
 import os
 
-import pytest
-import torch
-from filelock import FileLock
+# Two test processes share two cores: OpenMP teams of one each (before torch loads OpenMP), as
+# a sweep gives the exports it runs at once, else the teams spin against each other
+# (BENCHMARKS.md, sweep workers). A user's own setting stays.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import edgellm
-from edgellm.numerics import compare
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from filelock import FileLock  # noqa: E402
+
+import edgellm  # noqa: E402
+from edgellm.numerics import compare  # noqa: E402
 
 SIZES = dict(max_seq_len=16, max_context_len=32)  # every tiny export's, unless a test says
 
