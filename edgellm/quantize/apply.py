@@ -92,8 +92,8 @@ def quantize(model, cfg, stored: dict | None = None,
     done and how many bytes a decode step reads fewer (float weights replaced by packed ones and
     one fp32 scale per group; an embedding step reads one row either way, unless the head is the
     table). Without autograd, as torch.export runs: the float weights require grad, and autograd
-    recorded every op of HQQ's twenty passes (the same values, 3 to 8 times slower on
-    Phi-4-mini's linears)."""
+    recorded every op of HQQ's twenty passes (the same values, several times slower:
+    BENCHMARKS.md, where an export's time goes)."""
     todo = plan(model, cfg, stored, experts_refused)
     done = Quantized(todo.recipe, todo.group, todo.embeddings,
                      linears_left_float=list(todo.left_float),

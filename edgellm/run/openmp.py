@@ -3,8 +3,8 @@
 In a Python process, ExecuTorch's LLM attention (`llama::custom_sdpa` of the pip wheel's AOT
 library) multiplies through torch's BLAS from inside ExecuTorch's threadpool workers, and with
 OpenMP's default team size each worker starts a team of its own on the cores XNNPACK's threads
-already use: attention, and with it prefill, runs several times slower (BENCHMARKS.md), for
-export_llm's program as for edgellm's. ExecuTorch's C++ runner on a device has no second pool.
+already use: attention, and with it prefill, runs slower, for export_llm's program as for
+edgellm's. ExecuTorch's C++ runner on a device has no second pool.
 OpenMP reads the team size once, when torch loads it: `torch.set_num_threads` later reaches the
 calling thread only, not the workers. So it has to be in the environment before torch is
 imported, and since it also makes torch's own eager work single-threaded, it is set for the
