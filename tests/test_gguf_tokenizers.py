@@ -151,7 +151,7 @@ def test_a_gguf_model_loads_the_tokenizer_this_builds():
     assert (source.bos_id, source.eos_ids) == (tokens.bos_id, tokens.eos_ids)
 
 
-def vocab_only(path: Path, model: str, pre: str | None) -> Path:
+def vocab_only(path: Path, model: str, pre: str | None, merges=("a b",)) -> Path:
     import gguf
 
     w = gguf.GGUFWriter(str(path), "llama")
@@ -159,7 +159,8 @@ def vocab_only(path: Path, model: str, pre: str | None) -> Path:
     if pre is not None:
         w.add_tokenizer_pre(pre)
     w.add_token_list(["a", "b", "ab"])
-    w.add_token_merges(["a b"])
+    if merges:
+        w.add_token_merges(list(merges))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -180,6 +181,13 @@ def vocab_only(path: Path, model: str, pre: str | None) -> Path:
 def test_a_tokenizer_llamacpp_s_rules_here_do_not_cover_is_refused(tmp_path, model, pre, message):
     with pytest.raises(InputError, match=message):
         tokenizer_of(vocab_only(tmp_path / "odd.gguf", model, pre))
+
+
+def test_a_bpe_tokenizer_without_merges_is_refused_in_one_line(tmp_path):
+    """transformers' converter would fail on it with a bare KeyError ('scores')."""
+    with pytest.raises(InputError, match=r"tokenizer\.ggml\.merges is missing or empty; a "
+                                         r"byte-level BPE tokenizer is its merges .* --tokenizer"):
+        tokenizer_of(vocab_only(tmp_path / "odd.gguf", "gpt2", "llama-bpe", merges=()))
 
 
 def test_an_unknown_pre_tokenizer_is_refused_before_the_weights_unless_replaced(tiny_models,

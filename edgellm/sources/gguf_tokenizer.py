@@ -141,7 +141,8 @@ def gguf_tokenizer(path: Path, fields, check: bool = True) -> GgufTokenizer:
     kind, pre_name = value("model"), value("pre")
     pre = PRE_TOKENIZERS.get(pre_name or "") if kind == BPE else None
     if check:
-        _check(path, kind, pre_name, pre)
+        merges = fields.get("tokenizer.ggml.merges")
+        _check(path, kind, pre_name, pre, merges is not None and len(merges.data) > 0)
     spm = kind == SPM
     name = str(fields["general.name"].contents()).lower() if "general.name" in fields else ""
     bos = value("bos_token_id")
@@ -152,7 +153,7 @@ def gguf_tokenizer(path: Path, fields, check: bool = True) -> GgufTokenizer:
     return GgufTokenizer(path, settings, bos, _stops(fields, value))
 
 
-def _check(path: Path, kind, name, pre: Pre | None) -> None:
+def _check(path: Path, kind, name, pre: Pre | None, merges: bool) -> None:
     if kind not in KINDS:
         said = f"is {kind!r}" if kind else "is missing"
         raise InputError(f"{path}: tokenizer.ggml.model {said}; edgellm builds the "
@@ -168,6 +169,11 @@ def _check(path: Path, kind, name, pre: Pre | None) -> None:
                          f"{', '.join(sorted(PRE_TOKENIZERS))}. Pass the model's tokenizer.json "
                          "from its Hugging Face repository with --tokenizer, or convert the "
                          "model again with a current llama.cpp.")
+    if kind == BPE and not merges:  # transformers' converter would fail on a KeyError
+        raise InputError(f"{path}: tokenizer.ggml.merges is missing or empty; a byte-level BPE "
+                         "tokenizer is its merges (llama.cpp's converter writes them). Pass the "
+                         "model's tokenizer.json from its Hugging Face repository with "
+                         "--tokenizer.")
 
 
 def _stops(fields, value) -> tuple[int, ...]:
@@ -203,8 +209,8 @@ def _convert(path: Path, settings: Settings):
     from transformers import PreTrainedTokenizerFast
     from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
 
-    _check(path, settings.kind, settings.pre_name, settings.pre)
     arch, vocabulary, config = get_gguf_tokenizer(str(path))
+    _check(path, settings.kind, settings.pre_name, settings.pre, bool(vocabulary.get("merges")))
     spm = settings.kind == SPM
     # every SentencePiece file through transformers' plain builder: llama.cpp runs one algorithm
     fast, extra = convert_gguf_tokenizer(SPM if spm else arch, vocabulary)
