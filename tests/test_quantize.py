@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 import edgellm
 from conftest import SIZES
@@ -589,3 +590,42 @@ def test_the_plan_says_what_each_linear_gets_before_any_weight_changes():
     with pytest.raises(edgellm.InputError, match="no linear layer's input width is a multiple "
                        "of group_size 128"):
         plan(model, ExportConfig(quantize="8da4w", group_size=128))
+
+
+@pytest.mark.parametrize("kind, bits, group, dynamic, algorithm", [
+    ("table", 4, 32, False, "affine"), ("head", 8, 0, True, None), ("linear", 4, 32, True, None)])
+def test_a_large_weight_quantized_a_block_of_rows_at_a_time_is_the_whole_one(
+        monkeypatch, kind, bits, group, dynamic, algorithm):
+    """Above ROWS_APART weights (a 262,144-row table, its head) torchao quantizes blocks of rows,
+    joined after: the same codes, scales and zero points as the whole weight, rows of different
+    scales, HQQ's search too; a block that does not divide the rows included."""
+    import copy
+
+    from edgellm.quantize import apply
+    from edgellm.quantize.recipes import torchao_config
+
+    torch.manual_seed(0)
+    module = nn.Embedding(3000, 128) if kind == "table" else nn.Linear(128, 3000, bias=False)
+    with torch.no_grad():
+        module.weight.mul_(torch.rand(3000, 1) * 3)
+    config = (torchao_config(bits, group, dynamic) if algorithm is None  # HQQ, the linears'
+              else torchao_config(bits, group, dynamic, algorithm))
+    whole, blocks = copy.deepcopy(module), copy.deepcopy(module)
+    apply.quantize_rows(whole, config)
+    monkeypatch.setattr(apply, "ROWS_APART", 1000)
+    monkeypatch.setattr(apply, "BLOCK_WEIGHTS", 128 * 700)  # blocks of 700 rows: 5, the last 200
+    import torchao.quantization
+
+    calls = []
+    quantize = torchao.quantization.quantize_
+    monkeypatch.setattr(torchao.quantization, "quantize_", lambda m, *a, **k: (
+        calls.append(m.weight.shape[0]) or quantize(m, *a, **k)))
+    apply.quantize_rows(blocks, config)
+    assert calls == [700, 700, 700, 700, 200]
+    names, meta = whole.weight.__tensor_flatten__()
+    assert blocks.weight.__tensor_flatten__() == (names, meta) and type(blocks.weight) is type(
+        whole.weight)
+    for name in names:
+        assert torch.equal(getattr(blocks.weight, name), getattr(whole.weight, name)), name
+    x = torch.randint(0, 3000, (1, 5)) if kind == "table" else torch.randn(1, 5, 128)
+    assert torch.equal(blocks(x), whole(x))

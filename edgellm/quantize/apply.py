@@ -164,8 +164,6 @@ def _quantize_tables(model, todo: Plan, costs: dict) -> tuple[int, bool]:
     others get min/max scales. Returns the bytes a decode step saves (those of the head, where
     the head is the table) and whether the source's grid was kept; puts the table's (signal,
     noise) in `costs` under "embedding"."""
-    from torchao.quantization import quantize_
-
     bits, group = todo.embedding
     module = model.get_submodule(embedding_name(model))
     table = module.weight
@@ -178,9 +176,10 @@ def _quantize_tables(model, todo: Plan, costs: dict) -> tuple[int, bool]:
             module.weight = nn.Parameter(kept, requires_grad=False)
             costs["embedding"] = cost(before, module)
             return saved, True
-    quantize_(model, torchao_config(bits, group, dynamic=False, algorithm="affine"),
-              filter_fn=lambda m, fqn: isinstance(m, nn.Embedding) and (
-                  group == 0 or m.embedding_dim % group == 0))
+    config = torchao_config(bits, group, dynamic=False, algorithm="affine")
+    for table in model.modules():
+        if isinstance(table, nn.Embedding) and (group == 0 or table.embedding_dim % group == 0):
+            quantize_rows(table, config)
     costs["embedding"] = cost(before, module)
     return saved, False
 
@@ -192,8 +191,6 @@ def _quantize_linears(model, todo: Plan, costs: dict) -> int:
     channel): HQQ holds several float copies of a weight while it works, and these then come
     while little else is held. Each weight is quantized on its own, so the order changes no
     byte."""
-    from torchao.quantization import quantize_
-
     linears = [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, nn.Linear)
                and fqn in todo.linears and not hasattr(m.weight, "qdata")]  # not a kept grid
     largest = max((m.weight.numel() for _, m in linears), default=0)
@@ -208,6 +205,37 @@ def _quantize_linears(model, todo: Plan, costs: dict) -> int:
             drop_checkpoint_pages()
             pending = 0
         before = sample(module.weight)
-        quantize_(module, configs[bits, group], filter_fn=lambda m, f: True)
+        quantize_rows(module, configs[bits, group])
         costs[fqn] = cost(before, module)
     return saved
+
+
+ROWS_APART = 50_000_000  # weights: a larger tensor is quantized a block of rows at a time
+BLOCK_WEIGHTS = 8_000_000  # weights in each such block
+
+
+def quantize_rows(module: nn.Module, config) -> None:
+    """torchao's `quantize_` of one linear's or table's weight. One of more than ROWS_APART
+    weights (a 262,144-row table and its head) goes a block of rows at a time, joined after:
+    every config here scales a row or groups within a row, so the blocks give the whole
+    tensor's values, and torchao's float temporaries are a block's instead of several copies of
+    the table (BENCHMARKS.md, peak memory of a GGUF export)."""
+    from torchao.quantization import quantize_
+
+    weight = module.weight
+    if weight.numel() <= ROWS_APART:
+        quantize_(module, config, filter_fn=lambda m, f: True)
+        return
+    rows = max(1, BLOCK_WEIGHTS // weight.shape[1])
+    parts = []
+    for start in range(0, weight.shape[0], rows):
+        block = weight.detach()[start:start + rows]
+        piece = (nn.Embedding.from_pretrained(block, freeze=True)
+                 if isinstance(module, nn.Embedding) else nn.Linear(1, 1, bias=False))
+        piece.weight = nn.Parameter(block, requires_grad=False)
+        quantize_(piece, config, filter_fn=lambda m, f: True)
+        parts.append(piece.weight)
+    names, meta = parts[0].__tensor_flatten__()
+    joined = {n: torch.cat([getattr(p, n) for p in parts]) for n in names}
+    module.weight = nn.Parameter(type(parts[0]).__tensor_unflatten__(joined, meta, None, None),
+                                 requires_grad=False)
