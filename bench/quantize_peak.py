@@ -53,7 +53,7 @@ def main():
         report = edgellm.export(a.file, output=a.out or Path(tmp) / "out", backends=a.backend,
                                 verify=False, force=True, quiet=True, max_seq_len=128)
     # the report reads VmHWM too: past the last reset, its stage peaks are what follows the calls
-    print("stage peaks since the last call's reset, MB:",
+    print("stage peaks, MB (after a call above, since its reset):",
           [(s["name"], s["peak_rss_mb"]) for s in report["stages"]])
 
 

@@ -226,13 +226,11 @@ def quantize_rows(module: nn.Module, config) -> None:
     if weight.numel() <= ROWS_APART:
         quantize_(module, config, filter_fn=lambda m, f: True)
         return
-    rows = max(1, BLOCK_WEIGHTS // weight.shape[1])
-    parts = []
+    rows, float_weight, parts = max(1, BLOCK_WEIGHTS // weight.shape[1]), weight.detach(), []
     for start in range(0, weight.shape[0], rows):
-        block = weight.detach()[start:start + rows]
-        piece = (nn.Embedding.from_pretrained(block, freeze=True)
-                 if isinstance(module, nn.Embedding) else nn.Linear(1, 1, bias=False))
-        piece.weight = nn.Parameter(block, requires_grad=False)
+        # a module of the same kind holding the block: the config's transform reads its weight
+        piece = nn.Embedding(1, 1) if isinstance(module, nn.Embedding) else nn.Linear(1, 1, False)
+        piece.weight = nn.Parameter(float_weight[start:start + rows], requires_grad=False)
         quantize_(piece, config, filter_fn=lambda m, f: True)
         parts.append(piece.weight)
     names, meta = parts[0].__tensor_flatten__()
