@@ -217,7 +217,7 @@ def cmd_sweep(a) -> int:
         overrides["max_seq_len"] = a.max_seq_len
     rows = sweep(model, backends=a.backends, recipes=a.recipes,
                  output=a.output, workers=a.workers, ray=a.ray, bench=a.bench, quiet=a.quiet,
-                 **overrides)
+                 beside=a.beside, llamacpp_python=a.llamacpp_python, **overrides)
     print(summary_table(rows))
     bad = [r["name"] for r in rows if r["status"] != "ok"]
     if bad:
@@ -258,6 +258,11 @@ def _sweep_parser(sub) -> None:
                    "cluster at ADDRESS, or 'local' to start one on this machine (edgellm[ray])")
     s.add_argument("--no-bench", dest="bench", action="store_false", help="skip the speed "
                    "measurements")
+    s.add_argument("--beside", metavar="FILE.gguf", help="also run this GGUF with llama.cpp "
+                   "along the same text, timed as the exports are: one more row (e.g. "
+                   "llama.cpp's Q4_K_M of the same model)")
+    s.add_argument("--llamacpp-python", metavar="PYTHON", help="an interpreter that imports "
+                   "llama_cpp (pip install llama-cpp-python), for --beside (default: this one)")
     s.add_argument("--quiet", action="store_true", help="no progress lines")
 
 

@@ -152,6 +152,86 @@ def test_a_sweep_on_a_local_ray_cluster_gives_the_same_rows(swept, tiny_models, 
     assert all("speed" not in r for r in ray_rows)
 
 
+FAKE_LLAMA_CPP = """
+import ctypes, json, os
+import numpy as np
+__version__ = "fake"
+class _Ctx:
+    ctx = None
+class Llama:  # llama-cpp-python's calls the sweep makes; every logit 0 (perplexity = n_vocab)
+    def __init__(self, model_path, **kw):
+        self.seen, self._ctx, self.row = [], _Ctx(), np.zeros(Llama.VOCAB, dtype=np.float32)
+        global _llm
+        _llm = self
+    def n_vocab(self):
+        return Llama.VOCAB
+    def eval(self, tokens):
+        self.seen += list(tokens)
+        with open(os.environ["FAKE_SEEN"], "w") as f:
+            json.dump(self.seen, f)
+    def reset(self):
+        self.seen.append(-1)
+Llama.VOCAB = int(os.environ["FAKE_VOCAB"])
+def llama_get_logits_ith(ctx, i):
+    return _llm.row.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+"""
+
+
+def test_a_sweep_beside_a_gguf_adds_llama_cpp_s_row_on_the_same_text(swept, tiny_models,
+                                                                     tmp_path, capsys):
+    """`--beside FILE.gguf`: the file run by llama.cpp (here a stand-in llama_cpp whose logits
+    are all 0, so its perplexity is the vocabulary's size) along the very ids the exports'
+    perplexity was measured on, then a prefill and greedy steps as the exports' bench: one more
+    row, last, in results.json, the CSV, the page and the printed table; without llama_cpp in
+    the interpreter, one line and exit 2 before any export."""
+    import sys
+
+    from edgellm.cli import main
+    from edgellm.sources.base import load_tokenizer
+    from edgellm.verification import text_tokens
+
+    out = tmp_path / "beside"
+    shutil.copytree(swept[0], out)
+    gguf = Path(__file__).parent / "data" / "gguf" / "llama-Q4_K_M.gguf"
+    args = ["sweep", str(tiny_models["llama"][0]), "--recipes", RECIPES[0], "-o", str(out),
+            *[f"{k}={v}" for k, v in SIZES.items()], "--beside", str(gguf)]
+    assert main(args) == 2  # this interpreter has no llama_cpp
+    assert "cannot import llama_cpp; install it there" in capsys.readouterr().err
+    (tmp_path / "fake" / "llama_cpp").mkdir(parents=True)
+    (tmp_path / "fake" / "llama_cpp" / "__init__.py").write_text(FAKE_LLAMA_CPP)
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/sh\nPYTHONPATH={tmp_path / "fake"} exec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    os.environ.update(FAKE_VOCAB="160", FAKE_SEEN=str(tmp_path / "seen.json"))
+    try:
+        assert main(args + ["--llamacpp-python", str(python)]) == 0
+    finally:
+        del os.environ["FAKE_VOCAB"], os.environ["FAKE_SEEN"]
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[-1].split()[:2] == [f"llama.cpp-{gguf.stem}", "ok"]
+    rows = load_rows(out)
+    row, first = rows[-1], swept[1][0]
+    assert [r["name"] for r in rows[:-1]] == [r["name"] for r in swept[1] if r["status"] == "ok"]
+    report = json.loads((out / first["name"] / "report.json").read_text())
+    ids = text_tokens(load_tokenizer(tiny_models["llama"][0]),
+                      report["verify"]["perplexity"]["tokens"])
+    seen = json.loads((tmp_path / "seen.json").read_text())
+    assert seen[:len(ids) - 1] == ids[:-1] and seen[len(ids) - 1] == -1  # the text, then reset
+    assert len(seen) == len(ids) + first["speed"]["prompt_tokens"] + first["speed"][
+        "decode_steps"]
+    assert (row["backend"], row["recipe"], row["status"]) == ("llama.cpp", gguf.name, "ok")
+    assert row["pte_bytes"] == gguf.stat().st_size
+    assert row["accuracy"]["perplexity"] == pytest.approx(160, rel=1e-4)
+    assert row["accuracy"]["perplexity_fp32"] == report["verify"]["perplexity"][
+        "transformers_fp32"]
+    assert row["speed"]["decode_tok_s"] > 0 and row["speed"]["prefill_tok_s"] > 0
+    assert (out / "results.csv").read_text().splitlines()[-1].startswith(
+        f"llama.cpp-{gguf.stem},llama.cpp,{gguf.name},ok,{gguf.stat().st_size},")
+    page = (out / "index.html").read_text()
+    assert "The llama.cpp row is the file given beside the sweep" in page
+    assert f'href="llama.cpp-{gguf.stem}/report.html"' not in page
+
+
 # --- the pages, in Debian's chromium ----------------------------------------------------------
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"

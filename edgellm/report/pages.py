@@ -275,6 +275,8 @@ def sweep_page(rows: list[dict], title: str) -> str:
     """index.html: size against accuracy and speed against size per backend, each with its
     Pareto front, and every row in a sortable table linking to its export's report.html."""
     made = [r for r in rows if r.get("pte_bytes")]
+    engine = [r for r in rows if r["backend"] == "llama.cpp"]  # a GGUF run beside (--beside)
+    rows = [r for r in rows if r not in engine]
     charts = {"accuracy": scatter(made, ACCURACY, "Size against accuracy"),
               "speed": scatter(made, SPEED, "Speed against size (this machine)")}
     failed = sum(r["status"] != "ok" for r in rows)
@@ -282,9 +284,9 @@ def sweep_page(rows: list[dict], title: str) -> str:
                "perplexity", "text top-1", "prefill tok/s", "decode tok/s", "export s",
                "peak RSS MB", "estimated peak MB", "error"]
     table_rows = []
-    for r in rows:
+    for r in rows + engine:
         link = (f'<a href="{esc(r["name"])}/report.html">{esc(r["name"])}</a>', r["name"], True) \
-            if r.get("pte_bytes") else r["name"]
+            if r.get("pte_bytes") and r not in engine else r["name"]
         mb = round(r["pte_bytes"] / 1e6, 2) if r.get("pte_bytes") else None
         speed_error = value(r, "speed.bench_error")
         table_rows.append([link, r["backend"], r["recipe"], r["status"], mb] + [
@@ -298,7 +300,10 @@ def sweep_page(rows: list[dict], title: str) -> str:
             "against transformers in fp32 (the recipe's own check, else the program's, else the "
             "exported graph's where the backend does not run here); speed is `edgellm bench` on "
             "the machine that ran the export (backends that run there). Crosses: exports that "
-            'failed verification. <a href="results.json">results.json</a> · '
+            "failed verification." + (" The llama.cpp row is the file given beside the "
+                                      "sweep, run by llama.cpp along the same text: its size "
+                                      "is the file's." if engine else "")
+            + ' <a href="results.json">results.json</a> · '
             '<a href="results.csv">results.csv</a></p>',
             '<div class="charts">', chart_div("accuracy"), chart_div("speed"), "</div>",
             "<h2>Exports</h2><p>Click a header to sort.</p>",

@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 from ..errors import ConfigError, InputError
+from . import llamacpp
 
 # A recipe name is parts joined by "+": a dtype, a linear recipe with an optional group, an
 # embedding recipe with an optional group, int8 KV caches. "-pc" is per channel (group 0).
@@ -307,12 +308,15 @@ def from_report(r: dict) -> dict:
 
 def sweep(model=None, *, backends, recipes, output, workers: int | None = None,
           ray: str | None = None, bench: bool = True, quiet: bool = False,
+          beside: str | None = None, llamacpp_python: str | None = None,
           **overrides) -> list[dict]:
     """Export `model` in each recipe on each backend into `output` (see the module's docstring);
     returns the rows, also written to results.json, results.csv and index.html. `overrides` are
     ExportConfig fields every export takes (max_seq_len, verify, ...). `workers`: exports at
     once at most here (default: the cores; memory may allow fewer); `ray`: an address, or
-    "local" for a Ray cluster on this machine, to run each export as a Ray task."""
+    "local" for a Ray cluster on this machine, to run each export as a Ray task. `beside`: a
+    GGUF run by llama.cpp (llama-cpp-python in `llamacpp_python`, default this interpreter)
+    as one more row, last (sweeps/llamacpp.py)."""
     out = Path(output).resolve()
     if isinstance(backends, str):
         backends = [b for b in backends.split(",") if b]
@@ -327,6 +331,8 @@ def sweep(model=None, *, backends, recipes, output, workers: int | None = None,
             print(f"[sweep] {text}", file=sys.stderr, flush=True)
 
     jobs, skipped = plan(model, list(backends), list(recipes), out, overrides)
+    python = llamacpp_python or sys.executable
+    gguf = beside and llamacpp.check(beside, python)
     for line in skipped:
         say(f"left out {line}")
     if not jobs:
@@ -340,8 +346,10 @@ def sweep(model=None, *, backends, recipes, output, workers: int | None = None,
             and row.get("model") == jobs[0].model and row.get("status") != "failed"
             and (out / name / "model.pte").is_file()]
 
+    beside_rows: list[dict] = []  # llama.cpp's, last
+
     def table() -> list[dict]:
-        return [rows[j.name] for j in jobs if j.name in rows] + kept
+        return [rows[j.name] for j in jobs if j.name in rows] + kept + beside_rows
 
     say(f"{len(jobs)} exports: {len(rows)} done before, {len(todo)} to run"
         + ("" if not todo or ray else f", {_at_once(todo, workers)} at once at most here"))
@@ -368,9 +376,32 @@ def sweep(model=None, *, backends, recipes, output, workers: int | None = None,
     finally:
         if runner:
             runner.close()
+    if gguf:
+        beside_rows.append(beside_row(model, gguf, python, out, table(),
+                                      previous.get(f"{llamacpp.BACKEND}-{gguf.stem}")))
+        say(describe(beside_rows[0]))
     write_results(out, table())
     say(f"{len(todo)} exported in {time.perf_counter() - started:.0f} s; {out / 'index.html'}")
-    return [rows[j.name] for j in jobs]
+    return [rows[j.name] for j in jobs] + beside_rows
+
+
+def beside_row(model, gguf: Path, python: str, out: Path, rows: list[dict],
+               previous: dict | None) -> dict:
+    """llama.cpp's row for `gguf`, along the ids and lengths the exports' rows were measured
+    with (their first verified report; without one, the text's first 128 tokens and the bench's
+    own lengths); an earlier sweep's row stands while what it depends on is unchanged."""
+    reports = [out / r["name"] / "report.json" for r in rows if r.get("status") != "failed"]
+    texts = [json.loads(p.read_text())["verify"].get("perplexity") or {} for p in reports
+             if p.is_file() and "verify" in json.loads(p.read_text())]
+    text = next((t for t in texts if t), {})
+    timed = next((r["speed"] for r in rows if "prompt_tokens" in (r.get("speed") or {})), {})
+    prompt, steps = timed.get("prompt_tokens", BENCH_PROMPT), timed.get("decode_steps",
+                                                                       BENCH_STEPS)
+    ids = llamacpp.text_ids(model, text.get("tokens", 128))
+    if (previous and previous.get("status") == "ok"
+            and previous.get("key") == llamacpp.key(gguf, ids, prompt, steps)):
+        return previous
+    return llamacpp.row(gguf, python, ids, text.get("transformers_fp32"), prompt, steps)
 
 
 def reusable(row: dict | None, job: Job, out: Path) -> bool:
@@ -422,6 +453,8 @@ def csv_text(rows: list[dict]) -> str:
 
 
 def describe(row: dict) -> str:
+    if row["backend"] == llamacpp.BACKEND and row["status"] == "failed":
+        return f"{row['name']}: FAILED: {row['error']}"
     if row["status"] == "failed":
         return f"{row['name']}: FAILED after {row['export_s']} s: {row['error']}"
     acc = row["accuracy"]
@@ -430,7 +463,8 @@ def describe(row: dict) -> str:
         if acc.get(k) is not None)
     return (f"{row['name']}: {row['status']}, {row['pte_bytes'] / 1e6:.1f} MB"
             + (f", {figures}" if figures else "")
-            + f", {row['export_s']} s, peak {row['peak_rss_mb']} MB")
+            + ("" if row["export_s"] is None else
+               f", {row['export_s']} s, peak {row['peak_rss_mb']} MB"))
 
 
 def summary_table(rows: list[dict]) -> str:
