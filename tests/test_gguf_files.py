@@ -135,8 +135,11 @@ def test_a_llamacpp_file_exports_in_its_own_quantization_and_verifies(name, tmp_
         assert cost["4-bit, the file's grid kept"] > max(
             [40] + [cost[to] for to in cost if to.startswith(("4-bit on", "table 4-bit in"))]), cost
     regridded = {"4-bit on Q4_1's grid", "table 4-bit in groups of 32"}
-    for low in ("Q5_0", "Q5_1", "Q5_K", "IQ4_NL", "IQ4_XS", "Q2_K", "Q3_K"):  # on Q4_1's grid
+    for low in ("Q5_0", "Q5_1", "Q5_K", "Q2_K", "Q3_K"):  # on Q4_1's grid
         assert set(became.get(low, {})) <= regridded, became
+    for ungridded in ("IQ4_NL", "IQ4_XS"):  # 16 levels no 4-bit grid holds: 8 bits
+        assert all(to.startswith(("8-bit", "table 8-bit")) for to in became.get(ungridded, {})
+                   ), became
     if name == "llama-Q4_K_M.gguf":  # its one Q5_0 linear (a row no multiple of 256)
         assert list(became["Q5_0"]) == ["4-bit on Q4_1's grid"], became
         assert became["Q5_0"]["4-bit on Q4_1's grid"]["tensors"] == 1
@@ -174,7 +177,7 @@ def test_a_float_export_of_a_llamacpp_file_generates_transformers_tokens(tmp_pat
     ("llama-Q4_K_M.gguf", "coreml", ["coreml.min_ios=17"], ("fp32", "8w", 0, "8")),
     ("llama-Q6_K.gguf", "xnnpack", [], ("fp32", "8da8w", 0, "8")),
     ("llama-Q8_0.gguf", "coreml", [], ("fp32", "8w", 0, "8")),
-    ("llama-IQ4_XS.gguf", "xnnpack", [], ("fp32", "8da4w", 32, "4,32")),
+    ("llama-IQ4_XS.gguf", "xnnpack", [], ("fp32", "8da8w", 0, "8")),
     ("llama-F16.gguf", "xnnpack", [], ("fp16", None, None, None)),
     ("llama-BF16.gguf", "coreml", [], ("bf16", None, None, None)),
     ("llama-Q4_0.gguf", "vulkan", [], ("fp32", None, None, None)),
@@ -184,7 +187,8 @@ def test_the_file_s_storage_picks_the_default_recipe(name, backend, overrides, e
     """With no dtype or recipe given, the file's storage types choose: mostly 4-bit linears the
     backend's 4-bit recipe at the file's block of 32, 6- or 8-bit ones its 8-bit recipe, the
     table 4 bits beside 4-bit linears and 8 beside 8-bit ones, F16 / BF16 their dtype; the 8-bit
-    recipe and table where the backend's options refuse 4 bits (Core ML before iOS 18); no
+    recipe and table where the backend's options refuse 4 bits (Core ML before iOS 18), and
+    for IQ4 files (16 levels on no uniform grid: a 4-bit grid of them loses too much); no
     recipe on a backend with none. Any of dtype, quantize or embedding_quantize given turns it off."""
     from edgellm.config import resolve_config
 

@@ -12,7 +12,8 @@ fp32 offsets cost one, which puts each offset within 1/254 of its row's largest.
 a grid keeps it as ExecuTorch's 4-bit embedding kernel reads it, whose zero points are float
 (`grid_table`).
 
-A source tensor on no 4-bit grid (a GGUF's 5-bit, 3-bit and IQ types) is put on one first:
+A source tensor on no 4-bit grid (a GGUF's 5-bit, 3-bit and IQ2/IQ3 types; IQ4's are held at
+8 bits instead, recipes.UNGRIDDED_4BIT) is put on one first:
 requantized by the `gguf` package's own Q4_1 quantizer (`onto_q4_1`: a step and a minimum per
 block of 32, llama.cpp's reference), which loses less than a symmetric 4-bit grid (BENCHMARKS.md,
 Tensors on no 4-bit grid), and then kept as a Q4_1 tensor is.

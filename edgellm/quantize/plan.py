@@ -69,7 +69,7 @@ def writes_linears_apart(cfg, stored: dict | None) -> bool:
 
 def off_grid(kind: str | None) -> bool:
     """Whether a source's storage type holds 4 bits or fewer on no grid a 4-bit recipe keeps
-    (Q5_0, Q5_1, Q5_K, Q3_K, IQ4_NL, ...; SPARED_BITS and above are spared instead)."""
+    (Q5_0, Q5_1, Q5_K, Q3_K, IQ3_S, ...; SPARED_BITS and above, and IQ4, are spared instead)."""
     bits = stored_bits(kind)
     return bits is not None and bits < SPARED_BITS and kind not in GRID_TYPES
 

@@ -150,12 +150,20 @@ def torchao_config(bits: int, group: int, dynamic: bool, algorithm: str = HQQ,
 # a multiple of 256 in place of their 4- or 5-bit K type): those become 8-bit, the rest 4-bit
 SPARED_BITS = 6
 FILE_DTYPES = {"F16": "fp16", "BF16": "bf16"}
+# 4-bit types whose 16 levels lie on no uniform grid (llama.cpp's non-linear IQ4 codebook, a
+# scale per block): any 4-bit grid of their values is a second 4-bit quantization (the real
+# SmolLM2's IQ4_NL on Q4_1's grid: 21.4 dB, perplexity 1.65x fp32's, verification failed;
+# BENCHMARKS.md), so they are held at 8 bits as a file's 6- and 8-bit tensors are
+UNGRIDDED_4BIT = ("IQ4_NL", "IQ4_XS")
 
 
 def stored_bits(kind: str | None) -> int | None:
-    """Bits per weight of a GGUF storage type: 'Q4_1' -> 4, 'Q8_0' -> 8, 'F16' -> 16."""
+    """Bits per weight a uniform grid needs to hold a GGUF storage type: 'Q4_1' -> 4, 'Q8_0' ->
+    8, 'F16' -> 16; the IQ4 types, on no uniform grid, SPARED_BITS (UNGRIDDED_4BIT)."""
     import re
 
+    if kind in UNGRIDDED_4BIT:
+        return SPARED_BITS
     found = re.search(r"\d+", kind or "")
     return int(found.group()) if found else None
 
