@@ -351,7 +351,8 @@ def llama_cpp(gguf_path: str = None, prompt_len: int = 64, steps: int = 32, n_ct
                weight_bytes=Path(gguf).stat().st_size)
     if not Path(python).exists():
         return dict(row, ok=False, error=f"{python} not found. Create it: python3 -m venv /tmp/llamacpp-venv && "
-                    "CMAKE_ARGS='-DGGML_NATIVE=ON' /tmp/llamacpp-venv/bin/pip install llama-cpp-python")
+                    "CMAKE_ARGS='-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON' "
+                    "/tmp/llamacpp-venv/bin/pip install llama-cpp-python (bench/README.md)")
     args = dict(gguf=gguf, prompt_len=prompt_len, steps=steps, n_ctx=n_ctx, threads=THREADS,
                 prefill_runs=PREFILL_RUNS)
     proc = subprocess.run([python, "-c", LLAMACPP_SCRIPT, json.dumps(args)], capture_output=True, text=True)
