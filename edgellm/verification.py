@@ -39,7 +39,9 @@ from .architectures.cache import float_caches
 from .errors import InputError, VerificationError
 
 # (minimum SQNR dB, minimum top-1 agreement) per what is compared; a float check's are lowered
-# to what the model's own rounding sensitivity allows (`rounding_limits`)
+# to what the model's own rounding sensitivity allows (`rounding_limits`), a quantized program's
+# SQNR follows its model's sensitivity to its activations' rounding either way
+# (`activation_limits`)
 THRESHOLDS = {"fp32": (60.0, 1.0), "fp16": (30.0, 0.9), "bf16": (20.0, 0.8),
               "quantized": (20.0, 0.8)}
 # each float dtype's unit roundoff: a correct kernel rounds each output once to the dtype

@@ -390,10 +390,11 @@ def beside_row(model, gguf: Path, python: str, out: Path, rows: list[dict],
     """llama.cpp's row for `gguf`, along the ids and lengths the exports' rows were measured
     with (their first verified report; without one, the text's first 128 tokens and the bench's
     own lengths); an earlier sweep's row stands while what it depends on is unchanged."""
-    reports = [out / r["name"] / "report.json" for r in rows if r.get("status") != "failed"]
-    texts = [json.loads(p.read_text())["verify"].get("perplexity") or {} for p in reports
-             if p.is_file() and "verify" in json.loads(p.read_text())]
-    text = next((t for t in texts if t), {})
+    text = {}
+    for r in rows:
+        report = out / r["name"] / "report.json"
+        if not text and r.get("status") != "failed" and report.is_file():
+            text = json.loads(report.read_text()).get("verify", {}).get("perplexity") or {}
     timed = next((r["speed"] for r in rows if "prompt_tokens" in (r.get("speed") or {})), {})
     prompt, steps = timed.get("prompt_tokens", BENCH_PROMPT), timed.get("decode_steps",
                                                                        BENCH_STEPS)
