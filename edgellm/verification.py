@@ -445,7 +445,10 @@ class Verification:
                 "text": TEXT.name, "tokens": len(self.text),
                 "transformers_fp32": round(perplexity(self.ref_text, self.text), 4),
                 level.replace(" ", "_"): round(perplexity(text_logits, self.text), 4),
-                "top1_vs_fp32": round(float(agree), 4)}
+                "top1_vs_fp32": round(float(agree), 4),
+                # fp32's token after each of the text's but the last: what another engine's
+                # top-1 along the same ids is measured against (sweeps/llamacpp.py)
+                "fp32_argmax": self.ref_text.argmax(-1).tolist()}
             if cfg.kv_cache:  # the model before its weight recipe, with and without it
                 int8, floats = (rows[0] for rows in self.cache_rows)
                 result["perplexity"].update({

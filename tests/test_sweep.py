@@ -180,8 +180,9 @@ def llama_get_logits_ith(ctx, i):
 def test_a_sweep_beside_a_gguf_adds_llama_cpp_s_row_on_the_same_text(swept, tiny_models,
                                                                      tmp_path, capsys):
     """`--beside FILE.gguf`: the file run by llama.cpp (here a stand-in llama_cpp whose logits
-    are all 0, so its perplexity is the vocabulary's size) along the very ids the exports'
-    perplexity was measured on, then a prefill and greedy steps as the exports' bench: one more
+    are all 0, so its perplexity is the vocabulary's size and its argmax 0) along the very ids
+    the exports' perplexity was measured on (its top-1 against fp32's argmax there, which the
+    report keeps), then a prefill and greedy steps as the exports' bench: one more
     row, last, in results.json, the CSV, the page and the printed table; without llama_cpp in
     the interpreter, one line and exit 2 before any export."""
     import sys
@@ -222,6 +223,9 @@ def test_a_sweep_beside_a_gguf_adds_llama_cpp_s_row_on_the_same_text(swept, tiny
     assert (row["backend"], row["recipe"], row["status"]) == ("llama.cpp", gguf.name, "ok")
     assert row["pte_bytes"] == gguf.stat().st_size
     assert row["accuracy"]["perplexity"] == pytest.approx(160, rel=1e-4)
+    fp32 = report["verify"]["perplexity"]["fp32_argmax"]  # the stand-in's argmax: always 0
+    assert len(fp32) == len(ids) - 1 and row["accuracy"]["text_top1"] == round(
+        fp32.count(0) / len(fp32), 4)
     assert row["accuracy"]["perplexity_fp32"] == report["verify"]["perplexity"][
         "transformers_fp32"]
     assert row["speed"]["decode_tok_s"] > 0 and row["speed"]["prefill_tok_s"] > 0

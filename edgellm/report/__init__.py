@@ -194,7 +194,7 @@ def verify_summary(result: dict) -> str:
     if "perplexity" in result:
         ppl = result["perplexity"]
         scores = ", ".join(f"{k.replace('_', ' ')} {v:.3f}" for k, v in ppl.items()
-                           if k not in ("text", "tokens", "top1_vs_fp32"))
+                           if k not in ("text", "tokens", "top1_vs_fp32", "fp32_argmax"))
         lines.append(f"{'perplexity':>14}: {scores} ({ppl['tokens']} tokens of {ppl['text']}; "
                      f"top-1 agreement with fp32 along the text {ppl['top1_vs_fp32']:.3f})")
     return "\n".join(lines)

@@ -402,7 +402,7 @@ def beside_row(model, gguf: Path, python: str, out: Path, rows: list[dict],
     if (previous and previous.get("status") == "ok"
             and previous.get("key") == llamacpp.key(gguf, ids, prompt, steps)):
         return previous
-    return llamacpp.row(gguf, python, ids, text.get("transformers_fp32"), prompt, steps)
+    return llamacpp.row(gguf, python, ids, text, prompt, steps)
 
 
 def reusable(row: dict | None, job: Job, out: Path) -> bool:

@@ -1,9 +1,10 @@
 """llama.cpp beside a sweep (`--beside FILE.gguf`): the file run by llama.cpp, through
 llama-cpp-python in an interpreter of the user's choosing (it need not be edgellm's), along the
 same token ids of the shipped text the sweep's exports were verified on, a token per call from
-position 0, and timed as their benchmarks are (a BENCH_PROMPT-token prefill, BENCH_STEPS greedy
-steps, the cores this process may use): one more row of the sweep's table, whose size is the
-file's bytes and whose perplexity sits beside the exports' and transformers' fp32 one."""
+position 0 (its perplexity, and its top-1 against transformers' fp32 argmax there), and timed
+as their benchmarks are (a BENCH_PROMPT-token prefill, BENCH_STEPS greedy steps, the cores this
+process may use): one more row of the sweep's table, whose size is the file's bytes and whose
+perplexity sits beside the exports' and transformers' fp32 one."""
 
 from __future__ import annotations
 
@@ -32,12 +33,13 @@ def last_logits():  # Llama.eval keeps no scores unless logits_all: the context'
     ptr = llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1)
     return np.ctypeslib.as_array(ptr, shape=(llm.n_vocab(),)).astype(np.float64)
 
-nll = 0.0
+nll, agree = 0.0, 0
 for i, tok in enumerate(a["ids"][:-1]):
     llm.eval([tok])
     row = last_logits()
     top = row.max()
     nll += top + np.log(np.exp(row - top).sum()) - row[a["ids"][i + 1]]
+    agree += bool(a["fp32_argmax"]) and int(np.argmax(row)) == a["fp32_argmax"][i]
 prompt = [(7 * i + 1) % llm.n_vocab() for i in range(a["prompt"])]
 llm.reset()
 t0 = time.perf_counter()
@@ -51,6 +53,7 @@ for _ in range(a["steps"]):
     steps.append(time.perf_counter() - t0)
 print(json.dumps(dict(version=llama_cpp.__version__,
                       perplexity=float(np.exp(nll / (len(a["ids"]) - 1))),
+                      top1=agree / (len(a["ids"]) - 1) if a["fp32_argmax"] else None,
                       prefill_tok_s=a["prompt"] / prefill,
                       decode_tok_s=1 / float(np.median(steps)))))
 """
@@ -87,11 +90,13 @@ def text_ids(model, tokens: int) -> list[int]:
     return text_tokens(tokenizer, tokens)
 
 
-def row(gguf: Path, python: str, ids: list[int], fp32_perplexity: float | None, prompt: int,
-        steps: int) -> dict:
-    """The table's row for `gguf` run by llama.cpp (see the module's docstring)."""
+def row(gguf: Path, python: str, ids: list[int], fp32: dict, prompt: int, steps: int) -> dict:
+    """The table's row for `gguf` run by llama.cpp (see the module's docstring); `fp32`: a
+    verified report's perplexity entry (transformers' perplexity and argmax along `ids`), or {}."""
     threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    args = {"gguf": str(gguf), "ids": ids, "prompt": prompt, "steps": steps, "threads": threads}
+    argmax = fp32.get("fp32_argmax") if len(fp32.get("fp32_argmax") or ()) == len(ids) - 1 else None
+    args = {"gguf": str(gguf), "ids": ids, "prompt": prompt, "steps": steps, "threads": threads,
+            "fp32_argmax": argmax}
     out = {"name": f"{BACKEND}-{gguf.stem}", "model": str(gguf), "backend": BACKEND,
            "recipe": gguf.name, "key": key(gguf, ids, prompt, steps),
            "host": socket.gethostname(), "pte_bytes": gguf.stat().st_size, "export_s": None,
@@ -107,7 +112,8 @@ def row(gguf: Path, python: str, ids: list[int], fp32_perplexity: float | None, 
     r = json.loads(lines[-1])
     return {**out, "status": "ok", "error": None, "llama_cpp_python": r["version"],
             "accuracy": {"sqnr_db": None, "top1": None, "perplexity": round(r["perplexity"], 4),
-                         "perplexity_fp32": fp32_perplexity, "text_top1": None},
+                         "perplexity_fp32": fp32.get("transformers_fp32"),
+                         "text_top1": None if r["top1"] is None else round(r["top1"], 4)},
             "speed": {"prompt_tokens": prompt, "decode_steps": steps,
                       "prefill_tok_s": round(r["prefill_tok_s"], 2),
                       "decode_tok_s": round(r["decode_tok_s"], 2)}}
