@@ -378,7 +378,8 @@ def sweep(model=None, *, backends, recipes, output, workers: int | None = None,
             runner.close()
     if gguf:
         beside_rows.append(beside_row(model, gguf, python, out, table(),
-                                      previous.get(f"{llamacpp.BACKEND}-{gguf.stem}")))
+                                      previous.get(f"{llamacpp.BACKEND}-{gguf.stem}"),
+                                      overrides.get("tokenizer")))
         say(describe(beside_rows[0]))
     write_results(out, table())
     say(f"{len(todo)} exported in {time.perf_counter() - started:.0f} s; {out / 'index.html'}")
@@ -386,7 +387,7 @@ def sweep(model=None, *, backends, recipes, output, workers: int | None = None,
 
 
 def beside_row(model, gguf: Path, python: str, out: Path, rows: list[dict],
-               previous: dict | None) -> dict:
+               previous: dict | None, tokenizer: str | None = None) -> dict:
     """llama.cpp's row for `gguf`, along the ids and lengths the exports' rows were measured
     with (their first verified report; without one, the text's first 128 tokens and the bench's
     own lengths); an earlier sweep's row stands while what it depends on is unchanged."""
@@ -398,9 +399,9 @@ def beside_row(model, gguf: Path, python: str, out: Path, rows: list[dict],
     timed = next((r["speed"] for r in rows if "prompt_tokens" in (r.get("speed") or {})), {})
     prompt, steps = timed.get("prompt_tokens", BENCH_PROMPT), timed.get("decode_steps",
                                                                        BENCH_STEPS)
-    ids = llamacpp.text_ids(model, text.get("tokens", 128))
+    ids = llamacpp.text_ids(model, text.get("tokens", 128), tokenizer)
     if (previous and previous.get("status") == "ok"
-            and previous.get("key") == llamacpp.key(gguf, ids, prompt, steps)):
+            and previous.get("key") == llamacpp.key(gguf, python, ids, prompt, steps)):
         return previous
     return llamacpp.row(gguf, python, ids, text, prompt, steps)
 

@@ -76,17 +76,18 @@ def check(gguf, python: str) -> Path:
     return path.resolve()
 
 
-def text_ids(model, tokens: int) -> list[int]:
-    """The first `tokens` ids of the shipped text through the sweep's model's tokenizer: the ids
-    its exports' perplexity was measured on (verification.text_tokens)."""
+def text_ids(model, tokens: int, tokenizer_path: str | None = None) -> list[int]:
+    """The first `tokens` ids of the shipped text through the sweep's model's tokenizer (or the
+    sweep's `tokenizer` override): the ids its exports' perplexity was measured on
+    (verification.text_tokens)."""
     from ..sources import default_model_path
     from ..sources.base import load_tokenizer
     from ..sources.gguf import tokenizer_of
     from ..verification import text_tokens
 
     path = Path(model) if model else default_model_path()
-    tokenizer = (tokenizer_of(path).tokenizer() if path.suffix == ".gguf"
-                 else load_tokenizer(path))
+    tokenizer = (load_tokenizer(Path(tokenizer_path)) if tokenizer_path else
+                 tokenizer_of(path).tokenizer() if path.suffix == ".gguf" else load_tokenizer(path))
     return text_tokens(tokenizer, tokens)
 
 
@@ -94,11 +95,12 @@ def row(gguf: Path, python: str, ids: list[int], fp32: dict, prompt: int, steps:
     """The table's row for `gguf` run by llama.cpp (see the module's docstring); `fp32`: a
     verified report's perplexity entry (transformers' perplexity and argmax along `ids`), or {}."""
     threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    argmax = fp32.get("fp32_argmax") if len(fp32.get("fp32_argmax") or ()) == len(ids) - 1 else None
+    argmax = fp32.get("fp32_argmax")
+    argmax = argmax if argmax and len(argmax) == len(ids) - 1 else None
     args = {"gguf": str(gguf), "ids": ids, "prompt": prompt, "steps": steps, "threads": threads,
             "fp32_argmax": argmax}
     out = {"name": f"{BACKEND}-{gguf.stem}", "model": str(gguf), "backend": BACKEND,
-           "recipe": gguf.name, "key": key(gguf, ids, prompt, steps),
+           "recipe": gguf.name, "key": key(gguf, python, ids, prompt, steps),
            "host": socket.gethostname(), "pte_bytes": gguf.stat().st_size, "export_s": None,
            "peak_rss_mb": None, "estimated_peak_mb": None, "verified": None}
     done = subprocess.run([python, "-c", SCRIPT, json.dumps(args)], capture_output=True,
@@ -119,8 +121,9 @@ def row(gguf: Path, python: str, ids: list[int], fp32: dict, prompt: int, steps:
                       "decode_tok_s": round(r["decode_tok_s"], 2)}}
 
 
-def key(gguf: Path, ids: list[int], prompt: int, steps: int) -> str:
-    """What the row depends on: the file (name, size, time), the ids and the bench's lengths."""
+def key(gguf: Path, python: str, ids: list[int], prompt: int, steps: int) -> str:
+    """What the row depends on: the file (name, size, time), the interpreter running llama.cpp,
+    the ids and the bench's lengths."""
     stat = gguf.stat()
-    return hashlib.sha256(json.dumps([str(gguf), stat.st_size, stat.st_mtime_ns, ids, prompt,
-                                      steps]).encode()).hexdigest()
+    return hashlib.sha256(json.dumps([str(gguf), stat.st_size, stat.st_mtime_ns, python, ids,
+                                      prompt, steps]).encode()).hexdigest()
