@@ -40,14 +40,16 @@ def eager_model(cfg: ExportConfig, plan, stages: Stages,
     """Load, build and quantize as `cfg` and the backends' `plan` ask, one timed stage each."""
     import torch
 
-    from .architectures import build_model
+    from .architectures import build_model, load_pending
     from .architectures.cache import kv_cache_report, state_report
     from .architectures.layers import storage, weight_bytes
     from .sources import load_source
 
     with stages.stage("load"):
+        # without verification, which holds the float model whole, a recipe reads a GGUF's
+        # matrices one at a time as it quantizes them (loading.Pending)
         source = load_source(cfg.model, params=cfg.params, model_class=cfg.model_class,
-                             tokenizer=cfg.tokenizer)
+                             tokenizer=cfg.tokenizer, lazy=bool(cfg.quantize) and not cfg.verify)
         source.bos_id = source.bos_id if cfg.bos_id is None else cfg.bos_id
         source.eos_ids = source.eos_ids if cfg.eos_ids is None else cfg.eos_ids
     for line in [] if stages.quiet else source.notes:
@@ -87,6 +89,7 @@ def eager_model(cfg: ExportConfig, plan, stages: Stages,
             first = plan.backends[0]
             refused = first.quantized_experts and f"{first.name}: {first.quantized_experts}"
             done = quantize(model, cfg, source.stored_types, refused)
+            load_pending(model)  # what the recipe left in float
         drop_checkpoint_pages()  # and those quantization replaced
         weights -= done.bytes_saved
         for line in [] if stages.quiet else done.notes():

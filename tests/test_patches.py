@@ -1050,7 +1050,8 @@ def test_vulkan_pattern_graphs_are_built_once_and_are_upstreams():
 def test_group_partitions_from_bit_masks_are_upstreams():
     """The group partitioner with each node's downstream nodes as a bit mask: the same downstream
     nodes as upstream's sets, and the same partitions, a merge that would make a cycle (through a
-    node the backend does not take) refused as upstream refuses it."""
+    node the backend does not take) refused as upstream refuses it; torch.fx's own viewer (both
+    closures as sets), which upstream builds in its base class and throws away, is not built."""
     from executorch.exir.backend.canonical_partitioners import group_partitioner as groups
     from torch.fx.passes.operator_support import OperatorSupportBase
 
@@ -1075,9 +1076,17 @@ def test_group_partitions_from_bit_masks_are_upstreams():
     ours = partition._Downstreams(graph_module)
     assert all(ours.downstreams_of(n) == upstream.downstreams_of(n) for n in nodes.values())
 
+    fx_viewers = []
+    fx_viewer = partition._FX._DependencyViewer
+
+    def counted(graph_module):
+        fx_viewers.append(graph_module)
+        return fx_viewer(graph_module)
+
     def partitions(patched: bool) -> list:
         patch = partition.PATCHES[0]
         patch.install() if patched else patch.restore()
+        partition._FX._DependencyViewer = counted
         try:
             found = groups.GroupBasedPartitioner(
                 graph_module, Supported(), allows_single_node_partition=True,
@@ -1085,10 +1094,13 @@ def test_group_partitions_from_bit_masks_are_upstreams():
             ).propose_partitions()
         finally:
             patch.restore()
+            partition._FX._DependencyViewer = fx_viewer
         return sorted(sorted(n.name for n in p.nodes) for p in found)
 
     found = partitions(True)
+    assert fx_viewers == []
     assert found == partitions(False)
+    assert fx_viewers == [graph_module]  # upstream builds it
     assert ["sin"] in found  # merged with the rest, it would loop through cos
 
 

@@ -13,9 +13,10 @@ architectures share.
 
 from __future__ import annotations
 
-from .loading import build_model, load_deferred, load_weights
+from .loading import build_model, load_deferred, load_pending, load_weights, read_pending
 from .registry import (NAMES, Architecture, ExecuTorchLayout, architecture, every,
                        for_model_class, layer_kinds)
 
 __all__ = ["NAMES", "Architecture", "ExecuTorchLayout", "architecture", "build_model", "every",
-           "for_model_class", "layer_kinds", "load_deferred", "load_weights"]
+           "for_model_class", "layer_kinds", "load_deferred", "load_pending", "load_weights",
+           "read_pending"]

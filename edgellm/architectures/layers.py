@@ -370,7 +370,7 @@ def weight_bytes(lm: nn.Module, size: Callable = lambda t: t.numel() * t.element
             continue
         seen.add(storage(p))
         total += size(p)
-    if head_weight(lm).data_ptr() != embed.data_ptr():
+    if storage(head_weight(lm)) != storage(embed):
         total -= size(embed) * (embed.shape[0] - 1) // embed.shape[0]
     for block in lm.modules():
         if hasattr(block, "expert_tensors"):  # a sparse block: a token reads k experts of E
@@ -382,8 +382,9 @@ def weight_bytes(lm: nn.Module, size: Callable = lambda t: t.numel() * t.element
 
 def storage(p: torch.Tensor) -> int:
     """What tells shared weights apart: their storage's address, or for a Parameter still on the
-    meta device (deferred at load, moe.Experts.defer), which has none, the Parameter itself."""
-    return p.data_ptr() or id(p)
+    meta device, which has none, what it will be read from (loading.Pending, which a tied head
+    shares with its table) or the Parameter itself (deferred experts, moe.Experts.defer)."""
+    return p.data_ptr() or id(getattr(p, "pending", None) or p)
 
 
 def separate_tied_head(lm: nn.Module) -> None:
@@ -394,6 +395,8 @@ def separate_tied_head(lm: nn.Module) -> None:
         embed = lm.model.embed_tokens.weight
         lm.lm_head = nn.Linear(embed.shape[1], embed.shape[0], bias=False, device="meta")
         lm.lm_head.weight = nn.Parameter(embed.detach(), requires_grad=False)
+        if getattr(embed, "pending", None) is not None:  # both read from it (loading.Pending)
+            lm.lm_head.weight.pending = embed.pending
 
 
 @contextlib.contextmanager

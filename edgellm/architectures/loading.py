@@ -3,18 +3,66 @@ tensor of the state dict assigned by name, without copies, after the model's own
 (`state_dict_hooks`: layout changes converted in one place). Missing, unexpected and mis-shaped
 tensors fail the load, named.
 
-A state dict may hold tensors not read yet (`moe.Deferred`: mixture-of-experts stacks). They are
-read into the model's dtype as they load, or, with `defer` (an export whose recipe replaces them),
-left in the checkpoint: the owning module's `defer` keeps them for whoever replaces them, and
-`load_deferred` reads them all for a consumer of the float model (verification)."""
+A state dict may hold tensors not read yet: `moe.Deferred` (mixture-of-experts stacks) and
+`Pending` (a GGUF's matrices, still quantized in the mapped file). They are read into the model's
+dtype as they load, or, with `defer` (an export whose recipe replaces them), left in the
+checkpoint: the owning module's `defer` keeps a `Deferred` for whoever replaces it, and a `Pending`
+stays on its meta Parameter (`pending`) until quantization reads it (`read_pending`), one weight at
+a time, so the float model is never whole; `load_pending` reads what no recipe replaced, and
+`load_deferred` reads them all for a consumer of the float model (verification). The model's
+load-time hooks read only the pending weights they touch."""
 
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from ..errors import InputError
 from .registry import architecture, config_problems
 from .layers import ModelOptions, separate_tied_head
+
+
+class Pending:
+    """A weight not read yet: `read()` gives it (a GGUF matrix dequantized from the mapped file),
+    of the `shape` and `dtype` known before; `to(dtype)` reads it in that dtype."""
+
+    def __init__(self, name: str, shape: tuple, dtype: torch.dtype, read):
+        self.name, self.shape, self.dtype, self._read = name, torch.Size(shape), dtype, read
+
+    def read(self) -> torch.Tensor:
+        out = self._read()
+        if out.shape != self.shape:
+            raise InputError(f"Checkpoint tensor {self.name} reads as shape {tuple(out.shape)} "
+                             f"where its header says {tuple(self.shape)}: the file is damaged.")
+        return out
+
+    def to(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.read().to(dtype)
+
+    def float(self) -> torch.Tensor:
+        return self.to(torch.float32)
+
+
+class _Reads(dict):
+    """A state dict as the model's load-time hooks see it: a pending weight is read when a hook
+    takes it (by key, get or pop) and not before."""
+
+    def __getitem__(self, key):
+        value = super().__getitem__(key)
+        if isinstance(value, Pending):
+            value = value.read()
+            super().__setitem__(key, value)
+        return value
+
+    def get(self, key, default=None):
+        return self[key] if key in self else default
+
+    def pop(self, key, *default):
+        if key not in self:
+            return super().pop(key, *default)
+        value = self[key]
+        del self[key]
+        return value
 
 
 def build_model(hf_config, state_dict: dict, opts: ModelOptions, dtype: torch.dtype,
@@ -44,11 +92,12 @@ def build_model(hf_config, state_dict: dict, opts: ModelOptions, dtype: torch.dt
 def load_weights(model: torch.nn.Module, state_dict: dict, dtype: torch.dtype,
                  defer: bool = False) -> None:
     """Assign every tensor by name; fail on missing, unexpected or mis-shaped tensors, naming
-    them. With `defer`, values not read yet (not tensors: `moe.Deferred`) are handed to their
-    module's `defer` instead."""
-    state_dict = dict(state_dict)
+    them. With `defer`, values not read yet (not tensors) stay so: a `Pending` on a meta
+    Parameter of its shape, a `moe.Deferred` handed to its module's `defer`."""
+    reads = _Reads(state_dict)
     for hook in getattr(model, "state_dict_hooks", ()):
-        hook(state_dict)
+        hook(reads)
+    state_dict = {k: dict.__getitem__(reads, k) for k in reads}
     expected = dict(model.named_parameters())
     missing = sorted(set(expected) - set(state_dict))
     unexpected = sorted(set(state_dict) - set(expected))
@@ -66,13 +115,45 @@ def load_weights(model: torch.nn.Module, state_dict: dict, dtype: torch.dtype,
     if defer:
         for key in [k for k, v in state_dict.items() if not isinstance(v, torch.Tensor)]:
             owner, name = key.rsplit(".", 1)
-            model.get_submodule(owner).defer(name, state_dict.pop(key), dtype)
+            value, module = state_dict.pop(key), model.get_submodule(owner)
+            if isinstance(value, Pending):
+                param = nn.Parameter(torch.empty(value.shape, dtype=dtype, device="meta"),
+                                     requires_grad=False)
+                param.pending = value
+                setattr(module, name, param)
+            else:
+                module.defer(name, value, dtype)
     model.load_state_dict({k: v.to(dtype) for k, v in state_dict.items()}, strict=False,
                           assign=True)
 
 
+def read_pending(module: nn.Module, name: str = "weight", read: dict | None = None) -> None:
+    """`module.name` read from the checkpoint now if it was left pending (`read`: the pending
+    values read so far, by identity, so that a tied head and its table read once share it)."""
+    param = getattr(module, name)
+    value = getattr(param, "pending", None)
+    if value is None:
+        return
+    tensor = None if read is None else read.get(id(value))
+    if tensor is None:
+        tensor = nn.Parameter(value.to(param.dtype), requires_grad=False)
+        if read is not None:
+            read[id(value)] = tensor
+    setattr(module, name, tensor)
+
+
+def load_pending(model: nn.Module) -> None:
+    """Every pending weight no recipe replaced read into the model now (tied ones shared)."""
+    read: dict = {}
+    for module in list(model.modules()):
+        for name, param in list(module.named_parameters(recurse=False)):
+            if getattr(param, "pending", None) is not None:
+                read_pending(module, name, read)
+
+
 def load_deferred(model: torch.nn.Module) -> None:
     """Every tensor `defer` left in the checkpoint read into the model now."""
+    load_pending(model)
     for module in model.modules():
         if getattr(module, "deferred", None):
             module.load_deferred()

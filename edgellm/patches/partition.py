@@ -9,7 +9,10 @@ sets peak the whole export: lowering's memory grows with the square of the progr
 downstream sets are ever read, by `_can_merge_partitions`, and only to ask whether a partition
 pair's outside users lead back into the pair. `_Downstreams` keeps each node's downstream nodes as
 one integer bit mask over the program's nodes (N^2 bits in all), and the merge check asks the
-same question of the masks: the same partitions, in the same order.
+same question of the masks: the same partitions, in the same order. The partitioner's base class
+(torch.fx's `CapabilityBasedPartitioner`) builds torch.fx's own viewer of both closures in its
+`__init__` before the group partitioner replaces it with its own: that one is never built either
+(it peaked the embedded SmolLM2's export at 600 MB above its quantized model).
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ _GROUPS = importlib.import_module(
     "executorch.exir.backend.canonical_partitioners.group_partitioner")
 _UPSTREAM_VIEWER = _GROUPS._DependencyViewer
 _UPSTREAM_CAN_MERGE = _GROUPS.GroupBasedPartitioner.__dict__["_can_merge_partitions"]
+_UPSTREAM_INIT = _GROUPS.GroupBasedPartitioner.__dict__["__init__"]
+_FX = importlib.import_module("torch.fx.passes.infra.partitioner")
 
 
 class _Downstreams:
@@ -66,20 +71,35 @@ def _can_merge_partitions(self, p1, p2, partitions_by_id):
     return validate_partition(list(combined))
 
 
+def _init(self, graph_module, *args, **kwargs):
+    """Upstream's, with its base class's viewer (which it replaces with `_Downstreams`) not built:
+    torch.fx's viewer holds both closures as sets."""
+    fx_viewer = _FX._DependencyViewer
+    _FX._DependencyViewer = lambda graph_module: None
+    try:
+        _UPSTREAM_INIT(self, graph_module, *args, **kwargs)
+    finally:
+        _FX._DependencyViewer = fx_viewer
+
+
 def _install() -> None:
     _GROUPS._DependencyViewer = _Downstreams
     _GROUPS.GroupBasedPartitioner._can_merge_partitions = _can_merge_partitions
+    _GROUPS.GroupBasedPartitioner.__init__ = _init
 
 
 def _restore() -> None:
     _GROUPS._DependencyViewer = _UPSTREAM_VIEWER
     _GROUPS.GroupBasedPartitioner._can_merge_partitions = _UPSTREAM_CAN_MERGE
+    _GROUPS.GroupBasedPartitioner.__init__ = _UPSTREAM_INIT
 
 
 PATCHES = (
     Patch(name="partition.lean_dependencies", summary="the group partitioner keeps each node's "
           "downstream nodes as a bit mask instead of sets of every node up and downstream",
-          written_for={"executorch": "1.5."}, pins={
+          written_for={"executorch": "1.5.", "torch": "2.13."}, pins={
+              "torch.fx.passes.infra.partitioner:CapabilityBasedPartitioner.__init__":
+              "657423ae157fa2dd",
               "executorch.exir.backend.canonical_partitioners.group_partitioner:"
               "_DependencyViewer": "a6d3ee37edb6ec3a",
               "executorch.exir.backend.canonical_partitioners.group_partitioner:"

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from .. import patches
+from ..architectures.loading import read_pending
 from ..memory import drop_checkpoint_pages
 from .cost import cost, sample, sqnr_db
 from .experts import quantize_experts
@@ -166,6 +167,7 @@ def _quantize_tables(model, todo: Plan, costs: dict) -> tuple[int, bool]:
     noise) in `costs` under "embedding"."""
     bits, group = todo.embedding
     module = model.get_submodule(embedding_name(model))
+    read_pending(module)
     table = module.weight
     before = sample(table)
     saved = table.numel() * table.element_size() - packed_bytes(table, bits, group)
@@ -179,8 +181,10 @@ def _quantize_tables(model, todo: Plan, costs: dict) -> tuple[int, bool]:
     config = torchao_config(bits, group, dynamic=False, algorithm="affine")
     for table in model.modules():
         if isinstance(table, nn.Embedding) and (group == 0 or table.embedding_dim % group == 0):
+            read_pending(table)
             quantize_rows(table, config)
     costs["embedding"] = cost(before, module)
+    drop_checkpoint_pages()  # the float table's pages and heap, before the linears
     return saved, False
 
 
@@ -204,22 +208,23 @@ def _quantize_linears(model, todo: Plan, costs: dict) -> int:
         if pending >= DROP_PAGES_EVERY:  # those of the linears quantized before this one
             drop_checkpoint_pages()
             pending = 0
+        read_pending(module)  # from the checkpoint, if it was left there (loading.Pending)
         before = sample(module.weight)
         quantize_rows(module, configs[bits, group])
         costs[fqn] = cost(before, module)
     return saved
 
 
-ROWS_APART = 50_000_000  # weights: a larger tensor is quantized a block of rows at a time
-BLOCK_WEIGHTS = 8_000_000  # weights in each such block
+ROWS_APART = 4_000_000  # weights: a larger tensor is quantized a block of rows at a time
+BLOCK_WEIGHTS = 4_000_000  # weights in each such block
 
 
 def quantize_rows(module: nn.Module, config) -> None:
     """torchao's `quantize_` of one linear's or table's weight. One of more than ROWS_APART
-    weights (a 262,144-row table and its head) goes a block of rows at a time, joined after:
-    every config here scales a row or groups within a row, so the blocks give the whole
-    tensor's values, and torchao's float temporaries are a block's instead of several copies of
-    the table (BENCHMARKS.md, peak memory of a GGUF export)."""
+    weights (a table and its head) goes a block of rows at a time, joined after: every config
+    here scales a row or groups within a row, so the blocks give the whole tensor's values, and
+    torchao's float temporaries are a block's instead of several copies of the table
+    (BENCHMARKS.md, peak memory of a GGUF export)."""
     from torchao.quantization import quantize_
 
     weight = module.weight

@@ -124,15 +124,17 @@ def keep_grids(model, candidates, dynamic: bool, regrid=(),
     gets each kept one's (signal, noise) against the source's weight (cost.cost)."""
     from torchao.quantization import quantize_
 
+    from ..architectures.loading import read_pending
     from .cost import cost, sample
     from .recipes import torchao_config
 
     exact, kept, sums = torchao_config(4, GRID_BLOCK, dynamic, "affine", exact=True), [], {}
     offsets_config = torchao_config(8, 0, dynamic, "affine")
     candidates, regrid = set(candidates) | set(regrid), set(regrid)
-    for fqn, module in list(model.named_modules()):
-        if fqn not in candidates or not isinstance(module, nn.Linear):
-            continue
+    # by name: a list of the modules would keep each replaced linear's float weight alive
+    for fqn in [n for n, m in model.named_modules() if n in candidates and isinstance(m, nn.Linear)]:
+        module = model.get_submodule(fqn)
+        read_pending(module)
         before = sample(module.weight)
         if fqn in regrid:
             module.weight.data = onto_q4_1(module.weight)

@@ -35,12 +35,13 @@ def default_model_path() -> Path:
 
 
 def load_source(model: str | None, params: str | None = None, model_class: str | None = None,
-                tokenizer: str | None = None) -> Source:
+                tokenizer: str | None = None, lazy: bool = False) -> Source:
     """Open a model: a Hugging Face folder, a .gguf file, an ExecuTorch .pth state dict (described
     by `params`, an ExecuTorch params JSON), or None for the embedded default. `model_class` (an
-    ExecuTorch model class name) must agree with the model; `tokenizer` replaces its tokenizer."""
+    ExecuTorch model class name) must agree with the model; `tokenizer` replaces its tokenizer.
+    `lazy`: a GGUF's matrices are left in the file as `loading.Pending`, read when used."""
     source = _open(default_model_path() if not model else Path(model), params, model_class,
-                   tokenizer is None)
+                   tokenizer is None, lazy)
     if model_class is not None:
         check_model_class(model_class, source.hf_config.model_type)
     if params is not None and Path(model or "").is_dir():
@@ -65,7 +66,7 @@ def storage_kinds(model: str | None) -> dict | None:
 
 
 def _open(path: Path, params: str | None, model_class: str | None,
-          own_tokenizer: bool) -> Source:
+          own_tokenizer: bool, lazy: bool = False) -> Source:
     if path.is_file() and path.suffix.lower() in (".pth", ".pt"):
         from .executorch import load_executorch
 
@@ -81,7 +82,7 @@ def _open(path: Path, params: str | None, model_class: str | None,
     if path.is_file() and path.suffix.lower() == ".gguf":
         from .gguf import load_gguf
 
-        return load_gguf(path, tokenizer=own_tokenizer)
+        return load_gguf(path, tokenizer=own_tokenizer, lazy=lazy)
     kinds = "a Hugging Face folder (config.json + *.safetensors), a .gguf file or a .pth file"
     if not path.exists():
         raise InputError(f"Model path {path} does not exist. Give {kinds}.")

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from ..errors import InputError
+from ..memory import note_mapped
 from .base import Source
 
 # GGUF keys (after "ARCH.") -> config fields, for an architecture transformers has no table for
@@ -45,15 +46,19 @@ def _truncated(path: Path, name: str, end: int, size: int) -> InputError:
                       f"the file holds {size:,} bytes. Download it again.")
 
 
-def load_gguf(path: Path, tokenizer: bool = True) -> Source:
+def load_gguf(path: Path, tokenizer: bool = True, lazy: bool = False) -> Source:
     """The model in the GGUF at `path`; its tokenizer as llama.cpp runs it (gguf_tokenizer.py),
-    checked before the weights are read unless `tokenizer` is False (another replaces it)."""
+    checked before the weights are read unless `tokenizer` is False (another replaces it). With
+    `lazy`, its matrices are not read yet: each a `loading.Pending` that dequantizes it when
+    read (a quantizing export reads one at a time)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from ..architectures.loading import Pending
     from ..architectures.registry import for_gguf
     from .gguf_tokenizer import gguf_tokenizer
 
     reader = _reader(path)
+    note_mapped([path])  # its pages are dropped once quantization has replaced their weights
     metadata = _metadata(reader)
     if "general.architecture" not in metadata:
         raise InputError(f"{path} has no general.architecture key: it was not written by "
@@ -86,10 +91,16 @@ def load_gguf(path: Path, tokenizer: bool = True) -> Source:
     for hf_name, experts in _stacked_experts(path, arch, cfg, skeleton, tensors,
                                              functools.partial(_expert_values, tensors)):
         state[hf_name] = experts
+    shapes = {k: v.shape for k, v in skeleton.state_dict().items()}
+    later = {name for name in wanted if lazy and len(tensors[name].shape) >= 2}
+    for name in (name for name in wanted if name in later):
+        state[hf_names[name]] = Pending(name, shapes[hf_names[name]], torch.float32,
+                                        functools.partial(weight, name))
+    now = [name for name in wanted if name not in later]
     with ThreadPoolExecutor(os.cpu_count() or 1) as pool:  # numpy lets go of the GIL
-        for name, tensor in zip(wanted, pool.map(weight, wanted)):
+        for name, tensor in zip(now, pool.map(weight, now)):
             state[hf_names[name]] = tensor
-            stored[hf_names[name]] = tensors[name].tensor_type.name
+    stored.update((hf_names[name], tensors[name].tensor_type.name) for name in wanted)
     return Source(hf_config=cfg, state_dict=state, origin=str(path),
                   write_tokenizer=tokens.write, tokenizer=tokens.tokenizer,
                   bos_id=tokens.bos_id, eos_ids=tokens.eos_ids, stored_types=stored)
