@@ -47,7 +47,7 @@ def eager_model(cfg: ExportConfig, plan, stages: Stages,
 
     with stages.stage("load"):
         # without verification, which holds the float model whole, a recipe reads a GGUF's
-        # matrices one at a time as it quantizes them (loading.Pending)
+        # matrices one at a time as it quantizes them (pending.Pending)
         source = load_source(cfg.model, params=cfg.params, model_class=cfg.model_class,
                              tokenizer=cfg.tokenizer, lazy=bool(cfg.quantize) and not cfg.verify)
         source.bos_id = source.bos_id if cfg.bos_id is None else cfg.bos_id

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import InputError
+from .pending import derive
 
 
 @dataclass(frozen=True)
@@ -150,7 +151,7 @@ def fold_norm(sd: dict, norm: str, linears: list[str]) -> None:
                          "that the weights and config.json come from the same model.")
     w = sd.pop(f"{norm}.weight").float()
     for name in linears:
-        sd[f"{name}.weight"] = sd[f"{name}.weight"].float() * w
+        sd[f"{name}.weight"] = derive(lambda t, w: t.float() * w, sd[f"{name}.weight"], w)
 
 
 class Rope(nn.Module):
@@ -250,7 +251,7 @@ def fuse_qk_weights(sd: dict, prefix: str, norms: tuple[str, str], n_heads: int,
     if any(n not in sd for n in names):
         return
     q, k, qn, kn = (sd.pop(n) for n in names)
-    sd[f"{prefix}.qk_proj.weight"] = torch.cat([q, k])
+    sd[f"{prefix}.qk_proj.weight"] = derive(lambda q, k: torch.cat([q, k]), q, k)
     sd[f"{prefix}.qk_weight"] = torch.cat([qn.expand(n_heads, -1),
                                           kn.expand(n_kv, -1)])[:, None, :]
 
@@ -328,8 +329,8 @@ def time_major_conv(sd: dict, suffix: str) -> None:
     """Depthwise conv weights (channels, 1, L) under keys ending in `suffix` -> (L, channels),
     for the "window" conv."""
     for key in [k for k in sd if k.endswith(suffix)]:
-        w = sd[key]
-        sd[key] = w.reshape(w.shape[0], w.shape[-1]).T.contiguous() if w.dim() == 3 else w
+        if len(sd[key].shape) == 3:
+            sd[key] = derive(lambda w: w.reshape(w.shape[0], w.shape[-1]).T.contiguous(), sd[key])
 
 
 def make_step(input_pos: torch.Tensor, T: int, opts: ModelOptions, ropes: dict, dtype) -> Step:
@@ -382,7 +383,7 @@ def weight_bytes(lm: nn.Module, size: Callable = lambda t: t.numel() * t.element
 
 def storage(p: torch.Tensor) -> int:
     """What tells shared weights apart: their storage's address, or for a Parameter still on the
-    meta device, which has none, what it will be read from (loading.Pending, which a tied head
+    meta device, which has none, what it will be read from (pending.Pending, which a tied head
     shares with its table) or the Parameter itself (deferred experts, moe.Experts.defer)."""
     return p.data_ptr() or id(getattr(p, "pending", None) or p)
 
@@ -395,7 +396,7 @@ def separate_tied_head(lm: nn.Module) -> None:
         embed = lm.model.embed_tokens.weight
         lm.lm_head = nn.Linear(embed.shape[1], embed.shape[0], bias=False, device="meta")
         lm.lm_head.weight = nn.Parameter(embed.detach(), requires_grad=False)
-        if getattr(embed, "pending", None) is not None:  # both read from it (loading.Pending)
+        if getattr(embed, "pending", None) is not None:  # both read from it (pending.Pending)
             lm.lm_head.weight.pending = embed.pending
 
 

@@ -26,6 +26,7 @@ from .layers import (CausalConv, ModelOptions, RMSNorm, Rope, fold_norm,
                      fuse_qk_weights, fused_qk, head_weight, run_decoder, split_heads,
                      time_major_conv)
 from .moe import SparseMoE, fold_into_experts
+from .pending import Pending, derive
 from .registry import Architecture, ExecuTorchLayout, GgufLayout, layer_kinds
 
 KINDS = ("conv", "full_attention")
@@ -209,8 +210,8 @@ class Lfm2ForCausalLM(nn.Module):
             tensor = sd.pop(key)
             if tensor.shape[0] != 3 * self.hidden:
                 raise_shape(key, tensor, 3 * self.hidden)
-            for name, part in zip(("b_proj", "c_proj", "x_proj"), tensor.chunk(3, dim=0)):
-                sd[f"{prefix}.{name}.{leaf}"] = part
+            for i, name in enumerate(("b_proj", "c_proj", "x_proj")):
+                sd[f"{prefix}.{name}.{leaf}"] = derive(lambda t, i: t.chunk(3, dim=0)[i], tensor, i)
 
     @staticmethod
     def _time_major_conv(sd: dict) -> None:
@@ -239,7 +240,8 @@ class Lfm2ForCausalLM(nn.Module):
     def _drop_tied_head(self, sd: dict) -> None:
         """LFM2 ties the head to embed_tokens; a checkpoint may still store a copy of it."""
         head, embed = sd.pop("lm_head.weight", None), sd.get("model.embed_tokens.weight")
-        if head is not None and embed is not None and not torch.equal(head, embed):
+        if head is not None and embed is not None and not torch.equal(
+                *(t.read() if isinstance(t, Pending) else t for t in (head, embed))):
             raise InputError(f"Checkpoint tensor lm_head.weight differs from "
                              f"model.embed_tokens.weight, but {self.family} ties its head to "
                              f"the embedding. Check that the weights come from an {self.family} "

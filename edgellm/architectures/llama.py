@@ -22,6 +22,7 @@ from torch import nn
 from ..errors import InputError
 from .cache import KVCache
 from .moe import SparseMoE, fold_into_experts
+from .pending import derive
 from .layers import (FULL, ModelOptions, RMSNorm, Rope, fold_norm, fuse_qk_weights, fused_qk,
                      head_weight, run_decoder, split_heads)
 from .registry import (Architecture, ExecuTorchLayout, GgufLayout, layer_kinds,
@@ -333,8 +334,9 @@ class LlamaForCausalLM(nn.Module):
                                  f"expected {sum(sizes)} rows. Check that the weights and "
                                  "config.json come from the same model.")
             names = ("q_proj", "k_proj", "v_proj") if attention else ("gate_proj", "up_proj")
-            for name, part in zip(names, tensor.split(list(sizes))):
-                sd[f"{prefix}.{name}.weight"] = part
+            for i, name in enumerate(names):
+                sd[f"{prefix}.{name}.weight"] = derive(lambda t, i, rows: t.split(rows)[i],
+                                                       tensor, i, list(sizes))
 
     @staticmethod
     def _offset_norms(sd: dict) -> None:

@@ -10,7 +10,8 @@ checkpoint: the owning module's `defer` keeps a `Deferred` for whoever replaces 
 stays on its meta Parameter (`pending`) until quantization reads it (`read_pending`), one weight at
 a time, so the float model is never whole; `load_pending` reads what no recipe replaced, and
 `load_deferred` reads them all for a consumer of the float model (verification). The model's
-load-time hooks read only the pending weights they touch."""
+load-time hooks (splits, folds, fusions) turn a pending weight into a pending result
+(`pending.derive`): nothing is read at load."""
 
 from __future__ import annotations
 
@@ -20,49 +21,7 @@ from torch import nn
 from ..errors import InputError
 from .registry import architecture, config_problems
 from .layers import ModelOptions, separate_tied_head
-
-
-class Pending:
-    """A weight not read yet: `read()` gives it (a GGUF matrix dequantized from the mapped file),
-    of the `shape` and `dtype` known before; `to(dtype)` reads it in that dtype."""
-
-    def __init__(self, name: str, shape: tuple, dtype: torch.dtype, read):
-        self.name, self.shape, self.dtype, self._read = name, torch.Size(shape), dtype, read
-
-    def read(self) -> torch.Tensor:
-        out = self._read()
-        if out.shape != self.shape:
-            raise InputError(f"Checkpoint tensor {self.name} reads as shape {tuple(out.shape)} "
-                             f"where its header says {tuple(self.shape)}: the file is damaged.")
-        return out
-
-    def to(self, dtype: torch.dtype) -> torch.Tensor:
-        return self.read().to(dtype)
-
-    def float(self) -> torch.Tensor:
-        return self.to(torch.float32)
-
-
-class _Reads(dict):
-    """A state dict as the model's load-time hooks see it: a pending weight is read when a hook
-    takes it (by key, get or pop) and not before."""
-
-    def __getitem__(self, key):
-        value = super().__getitem__(key)
-        if isinstance(value, Pending):
-            value = value.read()
-            super().__setitem__(key, value)
-        return value
-
-    def get(self, key, default=None):
-        return self[key] if key in self else default
-
-    def pop(self, key, *default):
-        if key not in self:
-            return super().pop(key, *default)
-        value = self[key]
-        del self[key]
-        return value
+from .pending import Pending
 
 
 def build_model(hf_config, state_dict: dict, opts: ModelOptions, dtype: torch.dtype,
@@ -94,10 +53,9 @@ def load_weights(model: torch.nn.Module, state_dict: dict, dtype: torch.dtype,
     """Assign every tensor by name; fail on missing, unexpected or mis-shaped tensors, naming
     them. With `defer`, values not read yet (not tensors) stay so: a `Pending` on a meta
     Parameter of its shape, a `moe.Deferred` handed to its module's `defer`."""
-    reads = _Reads(state_dict)
+    state_dict = dict(state_dict)
     for hook in getattr(model, "state_dict_hooks", ()):
-        hook(reads)
-    state_dict = {k: dict.__getitem__(reads, k) for k in reads}
+        hook(state_dict)
     expected = dict(model.named_parameters())
     missing = sorted(set(expected) - set(state_dict))
     unexpected = sorted(set(state_dict) - set(expected))

@@ -208,7 +208,7 @@ def _quantize_linears(model, todo: Plan, costs: dict) -> int:
         if pending >= DROP_PAGES_EVERY:  # those of the linears quantized before this one
             drop_checkpoint_pages()
             pending = 0
-        read_pending(module)  # from the checkpoint, if it was left there (loading.Pending)
+        read_pending(module)  # from the checkpoint, if it was left there (pending.Pending)
         before = sample(module.weight)
         quantize_rows(module, configs[bits, group])
         costs[fqn] = cost(before, module)

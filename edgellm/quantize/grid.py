@@ -132,7 +132,8 @@ def keep_grids(model, candidates, dynamic: bool, regrid=(),
     offsets_config = torchao_config(8, 0, dynamic, "affine")
     candidates, regrid = set(candidates) | set(regrid), set(regrid)
     # by name: a list of the modules would keep each replaced linear's float weight alive
-    for fqn in [n for n, m in model.named_modules() if n in candidates and isinstance(m, nn.Linear)]:
+    linears = [n for n, m in model.named_modules() if n in candidates and isinstance(m, nn.Linear)]
+    for fqn in linears:
         module = model.get_submodule(fqn)
         read_pending(module)
         before = sample(module.weight)

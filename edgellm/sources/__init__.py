@@ -39,7 +39,7 @@ def load_source(model: str | None, params: str | None = None, model_class: str |
     """Open a model: a Hugging Face folder, a .gguf file, an ExecuTorch .pth state dict (described
     by `params`, an ExecuTorch params JSON), or None for the embedded default. `model_class` (an
     ExecuTorch model class name) must agree with the model; `tokenizer` replaces its tokenizer.
-    `lazy`: a GGUF's matrices are left in the file as `loading.Pending`, read when used."""
+    `lazy`: a GGUF's matrices are left in the file as `pending.Pending`, read when used."""
     source = _open(default_model_path() if not model else Path(model), params, model_class,
                    tokenizer is None, lazy)
     if model_class is not None:

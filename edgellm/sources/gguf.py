@@ -49,11 +49,11 @@ def _truncated(path: Path, name: str, end: int, size: int) -> InputError:
 def load_gguf(path: Path, tokenizer: bool = True, lazy: bool = False) -> Source:
     """The model in the GGUF at `path`; its tokenizer as llama.cpp runs it (gguf_tokenizer.py),
     checked before the weights are read unless `tokenizer` is False (another replaces it). With
-    `lazy`, its matrices are not read yet: each a `loading.Pending` that dequantizes it when
+    `lazy`, its matrices are not read yet: each a `pending.Pending` that dequantizes it when
     read (a quantizing export reads one at a time)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from ..architectures.loading import Pending
+    from ..architectures.pending import Pending
     from ..architectures.registry import for_gguf
     from .gguf_tokenizer import gguf_tokenizer
 
