@@ -1022,6 +1022,45 @@ def test_mil_pipelines_validate_once_and_still_catch_a_broken_pass(coreml_patche
         PassPipelineManager.apply_pipeline(prog, broken)
 
 
+def test_integer_constants_deduplicate_exactly_without_float_copies(coreml_patches):
+    """coremltools' constant deduplication finds the same duplicates with the patch (two equal
+    int8 tables, a third equal in its hashed first values and not after; fp16 scales alike by
+    its tolerance), and compares the tables in a tenth of upstream's memory (float64 copies)."""
+    import importlib
+    import tracemalloc
+
+    from coremltools.converters.mil.mil import Builder as mb
+    from coremltools.converters.mil.mil import types
+
+    dedup = importlib.import_module(
+        "coremltools.converters.mil.mil.passes.defs.cleanup.const_deduplication")
+    table = np.random.default_rng(0).integers(-128, 128, (4096, 576), dtype=np.int8)
+    other = table.copy()
+    other[-1, -1] ^= 1
+    scales = np.linspace(1, 2, 4096, dtype=np.float16)
+
+    @mb.program(input_specs=[mb.TensorSpec(shape=(1,), dtype=types.fp32)])
+    def prog(x):
+        return [mb.identity(x=mb.const(val=v))
+                for v in (table, table.copy(), other, scales, scales + np.float16(0))]
+
+    def found(patched: bool):
+        patch = coreml_patches["exact_dedup"]
+        patch.install() if patched else patch.restore()
+        tracemalloc.start()
+        try:
+            groups = dedup.const_deduplication.find_constants([prog.functions["main"]])
+            return ({u.name: [d.name for d in dups] for u, dups in groups.items()},
+                    tracemalloc.get_traced_memory()[1])
+        finally:
+            tracemalloc.stop()
+            patch.restore()
+
+    (ours, our_peak), (theirs, their_peak) = found(True), found(False)
+    assert ours == theirs and sorted(map(len, ours.values())) == [0, 1, 1]
+    assert our_peak < table.nbytes * 2 < their_peak / 5, (our_peak, their_peak)
+
+
 # --- vulkan.cached_patterns ----------------------------------------------------------------------
 
 

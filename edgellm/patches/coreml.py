@@ -18,6 +18,12 @@ repeatable.
 - `coreml.validate_once`: coremltools validates the MIL program before each pass pipeline and
   after each of its passes, a structural check that a pass that runs correctly leaves true; the
   patch validates each pipeline's result once, with the check its last pass would have had.
+- `coreml.exact_dedup`: the const_deduplication pass compares constants whose first values hash
+  alike with `np.allclose`, which turns integer arrays into float64 and makes several
+  temporaries of that size: a tied 8-bit table and its head (49152 x 576 on SmolLM2) took about
+  1.5 GB for one comparison, the whole Core ML export's peak. Its tolerance for integer types is
+  1e-12, an exact comparison: the patch compares integer arrays with `np.array_equal` (one
+  boolean temporary), other arrays as upstream does.
 - `coreml.fresh_op_names`: coremltools numbers MIL ops by a class-level counter that it clears
   after each conversion, not before, so a MIL program built earlier in the process renames every
   op of the next conversion (and the payload's content-derived identifier with them). The patch
@@ -29,6 +35,7 @@ The .pte is the same with and without them (tested in one process).
 from __future__ import annotations
 
 import copy
+import importlib
 
 import numpy as np
 import torch
@@ -45,6 +52,8 @@ _UPSTREAM_OVERFLOW = FP16ComputePrecision.__dict__["fp16_overflow"]
 _UPSTREAM_UNDERFLOW = FP16ComputePrecision.__dict__["_check_underflow_to_zero"]
 _UPSTREAM_PREPROCESS_MODEL = CoreMLBackend.__dict__["preprocess_model"]  # a staticmethod
 _UPSTREAM_APPLY_PIPELINE = PassPipelineManager.__dict__["apply_pipeline"]  # a staticmethod
+_DEDUP = importlib.import_module(
+    "coremltools.converters.mil.mil.passes.defs.cleanup.const_deduplication")
 _CHUNK = 1 << 20  # elements checked at a time
 _FP16_MAX = 65504
 
@@ -120,6 +129,24 @@ def _apply_pipeline(prog, pass_pipeline) -> None:
     prog.validate(check_essential_scope=last.get("scope", False))
 
 
+class _ExactNumpy:
+    """numpy as the const_deduplication pass sees it: `allclose` of two integer (or boolean)
+    arrays is `array_equal`, which the pass's tolerance of 1e-12 makes it, without float64
+    copies; everything else is numpy's."""
+
+    def __getattr__(self, name):
+        return getattr(np, name)
+
+    @staticmethod
+    def allclose(a, b, *args, **kwargs) -> bool:
+        if np.asarray(a).dtype.kind in "biu" and np.asarray(b).dtype.kind in "biu":
+            return np.array_equal(a, b)
+        return np.allclose(a, b, *args, **kwargs)
+
+
+EXACT_NUMPY = _ExactNumpy()
+
+
 def _install_shared_weights() -> None:
     setattr(CoreMLBackend, _COPY_HOOK, classmethod(_copy_sharing_weights))
     CoreMLBackend.preprocess_model = staticmethod(_preprocess_model)
@@ -170,6 +197,12 @@ PATCHES = (
            lambda: setattr(PassPipelineManager, "apply_pipeline", staticmethod(_apply_pipeline)),
            lambda: setattr(PassPipelineManager, "apply_pipeline", _UPSTREAM_APPLY_PIPELINE),
            lambda: PassPipelineManager.__dict__["apply_pipeline"].__func__ is _apply_pipeline),
+    _patch("exact_dedup", "coremltools' constant deduplication compares integer constants "
+           "exactly, without float64 copies", {
+               f"{PASSES}.defs.cleanup.const_deduplication:const_deduplication.find_constants":
+                   "103228f30c480990"},
+           lambda: setattr(_DEDUP, "np", EXACT_NUMPY), lambda: setattr(_DEDUP, "np", np),
+           lambda: _DEDUP.np is EXACT_NUMPY),
     # not a replacement: each install clears the counter, so it reports itself not installed
     _patch("fresh_op_names", "MIL op names count from zero in each export's conversion", {
                f"{CONVERTER}:_reset_conversion_state": "416a01148cd847fa",
