@@ -110,7 +110,9 @@ def test_a_gguf_export_without_verification_reads_one_matrix_at_a_time(monkeypat
     kernel), and the quantized model is the one a whole float model gives, tensor for tensor.
     So too through the load-time hooks that split a fused tensor (LFM2's conv in_proj, Phi-3's
     qkv and gate_up), fold norms into linears and fuse q and k (Core ML): a part or a fold is
-    read when its linear is quantized."""
+    read when its linear is quantized. A table quantized by blocks of rows (as a 262,144-row
+    one is) is read by those rows, never whole, unless the file keeps it on a 4-bit grid (which
+    is found on the whole table)."""
     import gguf
 
     from edgellm.architectures import pending
@@ -118,8 +120,9 @@ def test_a_gguf_export_without_verification_reads_one_matrix_at_a_time(monkeypat
     from edgellm.config import resolve_config
     from edgellm.eager import eager_model
     from edgellm.progress import Stages
+    from edgellm.quantize import apply
 
-    built, held, reads = [], [], []  # held: at each read, how many earlier reads are alive
+    built, held, reads, names = [], [], [], []  # held: at each read, earlier reads alive
     real = pending.Pending.read
 
     def kept_float(model) -> set:  # what stays float in the model (a conv's kernel) is held
@@ -127,6 +130,7 @@ def test_a_gguf_export_without_verification_reads_one_matrix_at_a_time(monkeypat
                 if not p.is_meta and not hasattr(p, "__tensor_flatten__")}
 
     def read(self):
+        names.append(self.name)
         gc.collect()
         kept = kept_float(built[0]) if built else set()
         held.append(sum(r() is not None and r().data_ptr() not in kept for r in reads)
@@ -136,14 +140,19 @@ def test_a_gguf_export_without_verification_reads_one_matrix_at_a_time(monkeypat
         return out
 
     monkeypatch.setattr(pending.Pending, "read", read)
+    monkeypatch.setattr(apply, "ROWS_APART", 160 * 256 - 1)  # the fixtures' tables, by rows
+    monkeypatch.setattr(apply, "BLOCK_WEIGHTS", 50 * 256)
     path = os.path.join(GGUFS, name)
     cfgs = [resolve_config(model=path, verify=v, max_seq_len=16, backends=backend)
             for v in (False, True)]
     assert cfgs[0].quantize, "the file's own recipe"
     made = lambda stage, model: built.append(model) if stage == "build" else None  # noqa: E731
     lazy = eager_model(cfgs[0], plan_for(cfgs[0]), Stages(quiet=True), made).model
-    names = [t.name for t in gguf.GGUFReader(path).tensors if len(t.shape) >= 2]
-    assert len(held) >= len(names) and held == [0] * len(held)
+    matrices = {t.name for t in gguf.GGUFReader(path).tensors if len(t.shape) >= 2}
+    assert set(names) >= matrices - {"token_embd.weight"} and held == [0] * len(held)
+    table = next(t for t in gguf.GGUFReader(path).tensors if t.name == "token_embd.weight")
+    on_grid = table.tensor_type.name in ("Q4_0", "Q4_1", "Q4_K")  # found on the whole table
+    assert names.count("token_embd.weight") == on_grid
     count = len(held)
     whole = eager_model(cfgs[1], plan_for(cfgs[1]), Stages(quiet=True)).model
     assert len(held) == count  # verified: read whole at load, not through Pending

@@ -14,10 +14,17 @@ from ..errors import InputError
 
 class Pending:
     """A weight not read yet: `read()` gives it (a GGUF matrix dequantized from the mapped file),
-    of the `shape` and `dtype` known before; `to(dtype)` reads it in that dtype."""
+    of the `shape` and `dtype` known before; `to(dtype)` reads it in that dtype; `rows(a, b)`
+    its rows a..b, read alone where the source can (`read_rows`: a GGUF's table), so that a
+    262,144-row table is never whole in float."""
 
-    def __init__(self, name: str, shape: tuple, dtype: torch.dtype, read):
+    def __init__(self, name: str, shape: tuple, dtype: torch.dtype, read,
+                 read_rows: Callable[[int, int], torch.Tensor] | None = None):
         self.name, self.shape, self.dtype, self._read = name, torch.Size(shape), dtype, read
+        self._rows = read_rows
+
+    def rows(self, start: int, end: int) -> torch.Tensor:
+        return self.read()[start:end] if self._rows is None else self._rows(start, end)
 
     def read(self) -> torch.Tensor:
         out = self._read()

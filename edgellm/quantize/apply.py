@@ -11,7 +11,7 @@ from torch import nn
 from .. import patches
 from ..architectures.loading import read_pending
 from ..memory import drop_checkpoint_pages
-from .cost import cost, sample, sqnr_db
+from .cost import cost, float_rows, sample, sqnr_db
 from .experts import quantize_experts
 from .grid import GRID_BLOCK, GRID_TYPES, REGRID_TYPE, grid_table, keep_grids, packed_bytes
 from .plan import Plan, embedding_name, plan
@@ -167,21 +167,21 @@ def _quantize_tables(model, todo: Plan, costs: dict) -> tuple[int, bool]:
     noise) in `costs` under "embedding"."""
     bits, group = todo.embedding
     module = model.get_submodule(embedding_name(model))
-    read_pending(module)
-    table = module.weight
+    table = module.weight  # still in the checkpoint, maybe: quantize_rows reads it by rows
     before = sample(table)
     saved = table.numel() * table.element_size() - packed_bytes(table, bits, group)
     saved = saved if todo.head_in_table else 0
-    if (bits, group) == (4, GRID_BLOCK) and todo.source_types.get("embedding") in GRID_TYPES:
-        kept = grid_table(table)
-        if kept is not None and not todo.head_in_table:  # a head applies it as a weight
+    if (bits, group) == (4, GRID_BLOCK) and todo.source_types.get("embedding") in GRID_TYPES \
+            and not todo.head_in_table:  # a head applies the table as a weight: no offset grid
+        read_pending(module)
+        kept = grid_table(module.weight)
+        if kept is not None:
             module.weight = nn.Parameter(kept, requires_grad=False)
             costs["embedding"] = cost(before, module)
             return saved, True
     config = torchao_config(bits, group, dynamic=False, algorithm="affine")
     for table in model.modules():
         if isinstance(table, nn.Embedding) and (group == 0 or table.embedding_dim % group == 0):
-            read_pending(table)
             quantize_rows(table, config)
     costs["embedding"] = cost(before, module)
     drop_checkpoint_pages()  # the float table's pages and heap, before the linears
@@ -208,8 +208,7 @@ def _quantize_linears(model, todo: Plan, costs: dict) -> int:
         if pending >= DROP_PAGES_EVERY:  # those of the linears quantized before this one
             drop_checkpoint_pages()
             pending = 0
-        read_pending(module)  # from the checkpoint, if it was left there (pending.Pending)
-        before = sample(module.weight)
+        before = sample(module.weight)  # quantize_rows reads it, if it is still pending
         quantize_rows(module, configs[bits, group])
         costs[fqn] = cost(before, module)
     return saved
@@ -217,6 +216,7 @@ def _quantize_linears(model, todo: Plan, costs: dict) -> int:
 
 ROWS_APART = 4_000_000  # weights: a larger tensor is quantized a block of rows at a time
 BLOCK_WEIGHTS = 4_000_000  # weights in each such block
+DROP_EVERY_BLOCKS = 4  # blocks between two drop_checkpoint_pages: every 64 MB of fp32 rows
 
 
 def quantize_rows(module: nn.Module, config) -> None:
@@ -224,21 +224,31 @@ def quantize_rows(module: nn.Module, config) -> None:
     weights (a table and its head) goes a block of rows at a time, joined after: every config
     here scales a row or groups within a row, so the blocks give the whole tensor's values, and
     torchao's float temporaries are a block's instead of several copies of the table
-    (BENCHMARKS.md, peak memory of a GGUF export)."""
+    (BENCHMARKS.md, peak memory of a GGUF export). A weight still in the checkpoint is read
+    whole, or, a block at a time, by rows (pending.Pending.rows)."""
     from torchao.quantization import quantize_
 
     weight = module.weight
     if weight.numel() <= ROWS_APART:
+        read_pending(module)  # from the checkpoint, if it was left there (pending.Pending)
         quantize_(module, config, filter_fn=lambda m, f: True)
         return
-    rows, float_weight, parts = max(1, BLOCK_WEIGHTS // weight.shape[1]), weight.detach(), []
+    rows, read, joined = max(1, BLOCK_WEIGHTS // weight.shape[1]), float_rows(weight), None
     for start in range(0, weight.shape[0], rows):
         # a module of the same kind holding the block: the config's transform reads its weight
         piece = nn.Embedding(1, 1) if isinstance(module, nn.Embedding) else nn.Linear(1, 1, False)
-        piece.weight = nn.Parameter(float_weight[start:start + rows], requires_grad=False)
+        piece.weight = nn.Parameter(read(start, start + rows).detach().to(weight.dtype),
+                                    requires_grad=False)
         quantize_(piece, config, filter_fn=lambda m, f: True)
-        parts.append(piece.weight)
-    names, meta = parts[0].__tensor_flatten__()
-    joined = {n: torch.cat([getattr(p, n) for p in parts]) for n in names}
-    module.weight = nn.Parameter(type(parts[0]).__tensor_unflatten__(joined, meta, None, None),
+        part = piece.weight
+        if joined is None:  # each field is per row (codes, a row's or its groups' scales)
+            names, meta = part.__tensor_flatten__()
+            kind, joined = type(part), {n: torch.empty(
+                (weight.shape[0], *getattr(part, n).shape[1:]), dtype=getattr(part, n).dtype)
+                for n in names}
+        for n in names:  # into the whole weight's fields: no second copy to join
+            joined[n][start:start + rows] = getattr(part, n)
+        if (start // rows) % DROP_EVERY_BLOCKS == DROP_EVERY_BLOCKS - 1:
+            drop_checkpoint_pages()  # the rows read so far, from the file, and freed heap
+    module.weight = nn.Parameter(kind.__tensor_unflatten__(joined, meta, None, None),
                                  requires_grad=False)

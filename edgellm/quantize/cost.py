@@ -34,8 +34,17 @@ def weight_rows(module, start: int = 0, end: int | None = None) -> torch.Tensor:
 
 
 def sample(weight: torch.Tensor) -> list:
-    """The rows a cost is measured on, copied before the weight is quantized."""
-    return [(a, b, weight[a:b].detach().float().clone()) for a, b in spans(weight.shape[0])]
+    """The rows a cost is measured on, copied before the weight is quantized (read from the
+    checkpoint where the weight is still there: pending.Pending.rows)."""
+    rows = float_rows(weight)
+    return [(a, b, rows(a, b).detach().float().clone()) for a, b in spans(weight.shape[0])]
+
+
+def float_rows(weight: torch.Tensor):
+    """(start, end) -> those rows of `weight` in float: its own, or read from the checkpoint
+    where it is still there (a meta Parameter with `pending`)."""
+    pending = getattr(weight, "pending", None)
+    return pending.rows if pending is not None else lambda a, b: weight[a:b]
 
 
 def cost(sampled: list, module) -> tuple[float, float]:

@@ -94,8 +94,10 @@ def load_gguf(path: Path, tokenizer: bool = True, lazy: bool = False) -> Source:
     shapes = {k: v.shape for k, v in skeleton.state_dict().items()}
     later = {name for name in wanted if lazy and len(tensors[name].shape) >= 2}
     for name in (name for name in wanted if name in later):
+        # the table, which no converter change touches, can be read a block of rows at a time
+        rows = functools.partial(_rows, tensors[name]) if name == "token_embd.weight" else None
         state[hf_names[name]] = Pending(name, shapes[hf_names[name]], torch.float32,
-                                        functools.partial(weight, name))
+                                        functools.partial(weight, name), rows)
     now = [name for name in wanted if name not in later]
     with ThreadPoolExecutor(os.cpu_count() or 1) as pool:  # numpy lets go of the GIL
         for name, tensor in zip(now, pool.map(weight, now)):
@@ -212,6 +214,15 @@ def _values(tensors: dict, name: str) -> np.ndarray:
     """One tensor of the mapped file as float32, dequantized by gguf, in torch's shape."""
     info = tensors[name]
     return _decode(info.data, info.tensor_type, _shape(info))
+
+
+def _rows(info, start: int, end: int) -> torch.Tensor:
+    """Rows start..end of a matrix of the mapped file, dequantized (ggml stores it row by row,
+    each row whole blocks)."""
+    count, width = _shape(info)
+    end = min(end, count)
+    return _tensor(np.asarray(_decode(info.data[start:end], info.tensor_type,
+                                      (end - start, width)), dtype=np.float32))
 
 
 def _expert_values(tensors: dict, name: str, expert: int) -> np.ndarray:
