@@ -4,6 +4,7 @@ one after another, so that the host's drift touches every row alike.
 usage: python bench/export_matrix.py OUTDIR [--models smollm2 lfm2.5-350m=DIR q4km=FILE.gguf]
                                             [--recipes fp32 8da4w default]
                                             [--backends xnnpack coreml] [--verify] [--sha]
+                                            [--twins]
 
 `smollm2` is the embedded SmolLM2-135M GGUF (8da4w with its `--embedding-quantize 4,32`, as the
 README's recipe); NAME=DIR any Hugging Face folder (LFM2.5-350M: ../shared/bench/anchor.sh's
@@ -13,7 +14,9 @@ for `--dtype fp32`. Core ML takes no other recipe (its quantized recipes are wei
 row: the process's wall time from outside (imports included), the report's wall time, peak RSS
 and stages, the program's size; `--sha` adds its sha256 (to show a change left the bytes alone).
 A GGUF row also gets its peak against 3x the file's bytes plus the toolchain's fixed cost: the
-peak of the same export of tests/data/gguf/llama-Q4_K_M.gguf (a 1 MB file), run first. A program
+peak of the same export of tests/data/gguf/llama-Q4_K_M.gguf (a 1 MB file of 2 layers), run
+first, or with `--twins` of the file's thin twin (bench/thin_twin.py: its family, layers,
+vocabulary and file type, 64 wide), whose graph is the file's own. A program
 that fails a verification check (random weights at 4 bits fail the recipe's accuracy bound)
 keeps its row, marked. A table, then one JSON object per row.
 """
@@ -72,6 +75,14 @@ def export(name: str, source: str | None, recipe: str, backend: str, out: Path, 
     return row
 
 
+def twin(source: str, path: Path) -> Path:
+    """The thin twin of the GGUF at `source` (bench/thin_twin.py), written once."""
+    if not path.exists():
+        subprocess.run([sys.executable, str(Path(__file__).parent / "thin_twin.py"), source,
+                        str(path)], check=True, capture_output=True)
+    return path
+
+
 def bound(row: dict) -> str:
     if "peak_bound_mb" not in row:
         return ""
@@ -87,6 +98,8 @@ def main(argv=None):
     p.add_argument("--backends", nargs="+", default=["xnnpack", "coreml"])
     p.add_argument("--verify", action="store_true")
     p.add_argument("--sha", action="store_true")
+    p.add_argument("--twins", action="store_true",
+                   help="a GGUF's fixed cost from its thin twin, not the 1 MB fixture")
     a = p.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -96,14 +109,17 @@ def main(argv=None):
         for backend in a.backends:
             for recipe in a.recipes:
                 gguf = source.endswith(".gguf")
-                if gguf and (backend, recipe) not in fixed:
-                    first = export("fixed-cost", str(FIXED), recipe, backend, out, False, False)
-                    fixed[backend, recipe] = first and first.get("peak_rss_mb")
+                key = (name if a.twins else None, backend, recipe)
+                if gguf and key not in fixed:
+                    base = twin(source, out / f"twin-{name}.gguf") if a.twins else FIXED
+                    first = export(f"fixed-cost-{base.stem}", str(base), recipe, backend, out,
+                                   False, False)
+                    fixed[key] = first and first.get("peak_rss_mb")
                 row = export(name, source or None, recipe, backend, out, a.verify, a.sha)
-                if row and gguf and row.get("peak_rss_mb") and fixed[backend, recipe]:
+                if row and gguf and row.get("peak_rss_mb") and fixed[key]:
                     file_mb = Path(source).stat().st_size / 2**20
-                    row.update(gguf_mb=round(file_mb, 1), fixed_cost_mb=fixed[backend, recipe],
-                               peak_bound_mb=round(3 * file_mb + fixed[backend, recipe]))
+                    row.update(gguf_mb=round(file_mb, 1), fixed_cost_mb=fixed[key],
+                               peak_bound_mb=round(3 * file_mb + fixed[key]))
                     row["peak_within_bound"] = row["peak_rss_mb"] <= row["peak_bound_mb"]
                 if row:
                     rows.append(row)

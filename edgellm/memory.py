@@ -14,6 +14,16 @@ from pathlib import Path
 
 
 def peak_rss_mb() -> float:
+    """The process's peak resident set since it started its program: Linux's VmHWM. Not
+    getrusage's ru_maxrss, which Linux carries across exec, so that an export started by a
+    process that once held more (a bench, a sweep, a notebook) would report the parent's peak."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return round(int(line.split()[1]) / 1024, 1)  # kB
+    except OSError:
+        pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     return round(peak / (2**20 if sys.platform == "darwin" else 1024), 1)
 

@@ -165,3 +165,18 @@ def test_a_gguf_export_without_verification_reads_one_matrix_at_a_time(monkeypat
             assert all(torch.equal(getattr(a, f), getattr(b, f)) for f in fields), name
         else:
             assert torch.equal(a, b), name
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="Linux only")
+def test_the_peak_is_the_process_own_not_a_parent_s_that_once_held_more():
+    """A process started by one that held 400 MB reports its own peak, not the parent's (Linux
+    carries getrusage's ru_maxrss across exec)."""
+    import subprocess
+    import sys
+
+    held = bytearray(400 << 20)
+    held[::4096] = b"\1" * len(held[::4096])  # resident
+    child = subprocess.run([sys.executable, "-c", "from edgellm.memory import peak_rss_mb; "
+                            "print(peak_rss_mb())"], capture_output=True, text=True, check=True)
+    assert float(child.stdout) < 200
+    assert memory.peak_rss_mb() >= 400
