@@ -140,7 +140,8 @@ def test_a_gguf_export_without_verification_reads_one_matrix_at_a_time(monkeypat
         return out
 
     monkeypatch.setattr(pending.Pending, "read", read)
-    monkeypatch.setattr(apply, "ROWS_APART", 160 * 256 - 1)  # the fixtures' tables, by rows
+    for limit in ("ROWS_APART", "EXACT_ROWS_APART"):  # the fixtures' tables and tied heads
+        monkeypatch.setattr(apply, limit, 160 * 256 - 1)
     monkeypatch.setattr(apply, "BLOCK_WEIGHTS", 50 * 256)
     path = os.path.join(GGUFS, name)
     cfgs = [resolve_config(model=path, verify=v, max_seq_len=16, backends=backend)

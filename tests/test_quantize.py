@@ -613,6 +613,7 @@ def test_a_large_weight_quantized_a_block_of_rows_at_a_time_is_the_whole_one(
     whole, blocks = copy.deepcopy(module), copy.deepcopy(module)
     apply.quantize_rows(whole, config)
     monkeypatch.setattr(apply, "ROWS_APART", 1000)
+    monkeypatch.setattr(apply, "EXACT_ROWS_APART", 1000)
     monkeypatch.setattr(apply, "BLOCK_WEIGHTS", 128 * 700)  # blocks of 700 rows: 5, the last 200
     import torchao.quantization
 

@@ -214,22 +214,28 @@ def _quantize_linears(model, todo: Plan, costs: dict) -> int:
     return saved
 
 
-ROWS_APART = 4_000_000  # weights: a larger tensor is quantized a block of rows at a time
+# weights: a larger tensor is quantized a block of rows at a time; HQQ's search (whose early
+# stop looks at the whole tensor) only past ROWS_APART, min/max scales, row by row, past EXACT_
+ROWS_APART = 50_000_000
+EXACT_ROWS_APART = 4_000_000
 BLOCK_WEIGHTS = 4_000_000  # weights in each such block
 DROP_EVERY_BLOCKS = 4  # blocks between two drop_checkpoint_pages: every 64 MB of fp32 rows
 
 
 def quantize_rows(module: nn.Module, config) -> None:
     """torchao's `quantize_` of one linear's or table's weight. One of more than ROWS_APART
-    weights (a table and its head) goes a block of rows at a time, joined after: every config
-    here scales a row or groups within a row, so the blocks give the whole tensor's values, and
-    torchao's float temporaries are a block's instead of several copies of the table
-    (BENCHMARKS.md, peak memory of a GGUF export). A weight still in the checkpoint is read
-    whole, or, a block at a time, by rows (pending.Pending.rows)."""
+    weights (a 262,144-row table and its head), or EXACT_ROWS_APART under min/max scales (a
+    table), goes a block of rows at a time, joined after: every config here scales a row or
+    groups within a row, so the blocks give the whole tensor's values (HQQ's search, whose early
+    stop asks the whole tensor, could stop a block sooner: only past ROWS_APART), and torchao's
+    float temporaries are a block's instead of several copies of the table (BENCHMARKS.md, peak
+    memory of a GGUF export). A weight still in the checkpoint is read whole, or, a block at a
+    time, by rows (pending.Pending.rows)."""
     from torchao.quantization import quantize_
 
     weight = module.weight
-    if weight.numel() <= ROWS_APART:
+    exact = getattr(config, "intx_choose_qparams_algorithm", None) == "affine"
+    if weight.numel() <= (EXACT_ROWS_APART if exact else ROWS_APART):
         read_pending(module)  # from the checkpoint, if it was left there (pending.Pending)
         quantize_(module, config, filter_fn=lambda m, f: True)
         return
