@@ -21,6 +21,14 @@ def test_greedy_is_the_default_and_is_the_argmax():
     assert Sampler(Sampling(repetition_penalty=10.0))(LOGITS, [0]) == 1  # token 0 seen: penalised
 
 
+@pytest.mark.parametrize("temperature", [1e-282, 5e-324, 1e-39])
+def test_a_temperature_too_small_for_floats_is_its_limit_greedy(temperature):
+    """Logits over a vanishing temperature overflow float32 (or it is 0 there, and 0 / 0 is nan):
+    the draw is the argmax, the limit as the temperature goes to 0 (a server answered such a
+    request with a 500)."""
+    assert Sampler(Sampling(temperature=temperature, seed=0))(LOGITS, [5]) == 0
+
+
 def test_draws_follow_the_tempered_and_truncated_distribution():
     """temperature 2: softmax(logits / 2); top_k 2: the two likeliest renormalised; top_p 0.6:
     the smallest set whose mass reaches 0.6; min_p 0.5: those at least half the likeliest."""

@@ -11,6 +11,9 @@ import dataclasses
 from dataclasses import dataclass
 
 
+GREEDY_BELOW = 1e-30  # logits of up to 1e8 over it stay below float32's largest, 3.4e38
+
+
 @dataclass(frozen=True)
 class Sampling:
     temperature: float = 0.0
@@ -77,10 +80,13 @@ class Sampler:
                                                             TopKLogitsWarper, TopPLogitsWarper)
 
         s = self.sampling = sampling
+        # a temperature under GREEDY_BELOW would overflow float32 logits (or be 0 in float32):
+        # its limit, greedy
+        self.greedy = s.temperature < GREEDY_BELOW
         steps = []
         if s.repetition_penalty != 1:
             steps.append(RepetitionPenaltyLogitsProcessor(s.repetition_penalty))
-        if s.temperature > 0:
+        if not self.greedy:
             if s.temperature != 1:
                 steps.append(TemperatureLogitsWarper(s.temperature))
             if s.top_k:
@@ -104,7 +110,7 @@ class Sampler:
         scores = logits.reshape(1, -1).float()  # (1, V)
         if self.steps:
             scores = self.steps(torch.tensor([history], dtype=torch.long), scores)
-        if self.sampling.temperature == 0:
+        if self.greedy:
             return int(scores[0].argmax())
         probs = torch.softmax(scores[0], dim=-1)
         return int(torch.multinomial(probs, 1, generator=self.generator))
