@@ -1,6 +1,7 @@
 """Memory of a long export (edgellm/memory.py): checkpoint pages handed back unless written, the
 cycle collector set for the run and put back, cycles still freed."""
 
+import collections
 import gc
 import os
 import weakref
@@ -120,7 +121,8 @@ def test_a_gguf_export_without_verification_reads_one_matrix_at_a_time(monkeypat
     from edgellm.config import resolve_config
     from edgellm.eager import eager_model
     from edgellm.progress import Stages
-    from edgellm.quantize import apply
+    from edgellm.quantize import apply, cost
+    from edgellm.sources import gguf as gguf_source
 
     built, held, reads, names = [], [], [], []  # held: at each read, earlier reads alive
     real = pending.Pending.read
@@ -140,8 +142,14 @@ def test_a_gguf_export_without_verification_reads_one_matrix_at_a_time(monkeypat
         return out
 
     monkeypatch.setattr(pending.Pending, "read", read)
+    decoded = []  # the file's tensors as they are dequantized, once the build is done
+    values = gguf_source._values
+    monkeypatch.setattr(gguf_source, "_values", lambda tensors, name: (
+        decoded.append(name) if built else None, values(tensors, name))[1])
     for limit in ("ROWS_APART", "EXACT_ROWS_APART"):  # the fixtures' tables and tied heads
         monkeypatch.setattr(apply, limit, 160 * 256 - 1)
+    monkeypatch.setattr(cost, "SAMPLED_ROWS", 64)  # costs measured on spans, as a large model's
+    monkeypatch.setattr(cost, "SPAN", 16)
     monkeypatch.setattr(apply, "BLOCK_WEIGHTS", 50 * 256)
     path = os.path.join(GGUFS, name)
     cfgs = [resolve_config(model=path, verify=v, max_seq_len=16, backends=backend)
@@ -154,6 +162,11 @@ def test_a_gguf_export_without_verification_reads_one_matrix_at_a_time(monkeypat
     table = next(t for t in gguf.GGUFReader(path).tensors if t.name == "token_embd.weight")
     on_grid = table.tensor_type.name in ("Q4_0", "Q4_1", "Q4_K")  # found on the whole table
     assert names.count("token_embd.weight") == on_grid
+    # each matrix dequantized from the file once, however many spans its cost samples; a fused
+    # one once per part it is split into (LFM2's in_proj, Phi-3's qkv: 3; Phi-3's gate_up: 2)
+    fused = {"in_proj": 3, "qkv": 3, "ffn_up": 2 if name.startswith("phi3") else 1}
+    assert decoded and all(n == next((v for f, v in fused.items() if f in k), 1)
+               for k, n in collections.Counter(decoded).items()), collections.Counter(decoded)
     count = len(held)
     whole = eager_model(cfgs[1], plan_for(cfgs[1]), Stages(quiet=True)).model
     assert len(held) == count  # verified: read whole at load, not through Pending

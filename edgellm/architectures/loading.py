@@ -85,12 +85,14 @@ def load_weights(model: torch.nn.Module, state_dict: dict, dtype: torch.dtype,
                           assign=True)
 
 
-def read_pending(module: nn.Module, name: str = "weight", read: dict | None = None) -> None:
+def read_pending(module: nn.Module, name: str = "weight", read: dict | None = None,
+                 unless_by_rows: bool = False) -> None:
     """`module.name` read from the checkpoint now if it was left pending (`read`: the pending
-    values read so far, by identity, so that a tied head and its table read once share it)."""
+    values read so far, by identity, so that a tied head and its table read once share it;
+    `unless_by_rows`: left pending where it can be read a block of rows at a time)."""
     param = getattr(module, name)
     value = getattr(param, "pending", None)
-    if value is None:
+    if value is None or unless_by_rows and value.by_rows:
         return
     tensor = None if read is None else read.get(id(value))
     if tensor is None:

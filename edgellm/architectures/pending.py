@@ -15,16 +15,23 @@ from ..errors import InputError
 class Pending:
     """A weight not read yet: `read()` gives it (a GGUF matrix dequantized from the mapped file),
     of the `shape` and `dtype` known before; `to(dtype)` reads it in that dtype; `rows(a, b)`
-    its rows a..b, read alone where the source can (`read_rows`: a GGUF's table), so that a
-    262,144-row table is never whole in float."""
+    its rows a..b alone, where the source can (`read_rows`: a GGUF's table; `by_rows`), so that
+    a 262,144-row table is never whole in float."""
 
     def __init__(self, name: str, shape: tuple, dtype: torch.dtype, read,
                  read_rows: Callable[[int, int], torch.Tensor] | None = None):
         self.name, self.shape, self.dtype, self._read = name, torch.Size(shape), dtype, read
         self._rows = read_rows
 
+    @property
+    def by_rows(self) -> bool:
+        """Whether `rows` reads rows alone (else a caller reads the whole once)."""
+        return self._rows is not None
+
     def rows(self, start: int, end: int) -> torch.Tensor:
-        return self.read()[start:end] if self._rows is None else self._rows(start, end)
+        if self._rows is None:
+            raise ValueError(f"{self.name} is read whole, not by rows: read_pending it first")
+        return self._rows(start, end)
 
     def read(self) -> torch.Tensor:
         out = self._read()

@@ -167,7 +167,8 @@ def _quantize_tables(model, todo: Plan, costs: dict) -> tuple[int, bool]:
     noise) in `costs` under "embedding"."""
     bits, group = todo.embedding
     module = model.get_submodule(embedding_name(model))
-    table = module.weight  # still in the checkpoint, maybe: quantize_rows reads it by rows
+    read_pending(module, unless_by_rows=True)  # a GGUF's table: quantize_rows reads its rows
+    table = module.weight
     before = sample(table)
     saved = table.numel() * table.element_size() - packed_bytes(table, bits, group)
     saved = saved if todo.head_in_table else 0
@@ -208,7 +209,8 @@ def _quantize_linears(model, todo: Plan, costs: dict) -> int:
         if pending >= DROP_PAGES_EVERY:  # those of the linears quantized before this one
             drop_checkpoint_pages()
             pending = 0
-        before = sample(module.weight)  # quantize_rows reads it, if it is still pending
+        read_pending(module, unless_by_rows=True)  # else sample and quantize_rows read rows
+        before = sample(module.weight)
         quantize_rows(module, configs[bits, group])
         costs[fqn] = cost(before, module)
     return saved
@@ -233,10 +235,11 @@ def quantize_rows(module: nn.Module, config) -> None:
     time, by rows (pending.Pending.rows)."""
     from torchao.quantization import quantize_
 
-    weight = module.weight
     exact = getattr(config, "intx_choose_qparams_algorithm", None) == "affine"
-    if weight.numel() <= (EXACT_ROWS_APART if exact else ROWS_APART):
-        read_pending(module)  # from the checkpoint, if it was left there (pending.Pending)
+    whole = module.weight.numel() <= (EXACT_ROWS_APART if exact else ROWS_APART)
+    read_pending(module, unless_by_rows=not whole)  # from the checkpoint, if it was left there
+    weight = module.weight
+    if whole:
         quantize_(module, config, filter_fn=lambda m, f: True)
         return
     rows, read, joined = max(1, BLOCK_WEIGHTS // weight.shape[1]), float_rows(weight), None

@@ -42,7 +42,7 @@ def sample(weight: torch.Tensor) -> list:
 
 def float_rows(weight: torch.Tensor):
     """(start, end) -> those rows of `weight` in float: its own, or read from the checkpoint
-    where it is still there (a meta Parameter with `pending`)."""
+    where it is still there (a meta Parameter with `pending`, read by rows)."""
     pending = getattr(weight, "pending", None)
     return pending.rows if pending is not None else lambda a, b: weight[a:b]
 

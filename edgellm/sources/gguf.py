@@ -91,8 +91,8 @@ def load_gguf(path: Path, tokenizer: bool = True, lazy: bool = False) -> Source:
     for hf_name, experts in _stacked_experts(path, arch, cfg, skeleton, tensors,
                                              functools.partial(_expert_values, tensors)):
         state[hf_name] = experts
-    shapes = {k: v.shape for k, v in skeleton.state_dict().items()}
     later = {name for name in wanted if lazy and len(tensors[name].shape) >= 2}
+    shapes = {k: v.shape for k, v in skeleton.state_dict().items()} if later else {}
     for name in (name for name in wanted if name in later):
         # the table, which no converter change touches, can be read a block of rows at a time
         rows = functools.partial(_rows, tensors[name]) if name == "token_embd.weight" else None
