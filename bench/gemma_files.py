@@ -6,6 +6,7 @@ OUTDIR/gemma_files.jsonl: the program's bytes over the file's, the tensor types 
 what each became (report.json's `from_source`) and the export's time and peak RSS.
 
 usage: python bench/gemma_files.py OUTDIR [--types Q4_K_M Q4_0 Q8_0] [--backends xnnpack coreml]
+       [--external-weights]   # XNNPACK: the weights in foundation.ptd (pte_bytes counts both)
 
 Random weights say nothing of accuracy; sizes and memory are the weights' shapes and types.
 Verification is off (its transformers run of a 262k vocabulary is not what is measured here).
@@ -76,6 +77,7 @@ def main():
     p.add_argument("out")
     p.add_argument("--types", nargs="+", default=["Q4_K_M", "Q4_0", "Q8_0"])
     p.add_argument("--backends", nargs="+", default=["xnnpack", "coreml"])
+    p.add_argument("--external-weights", action="store_true")
     a = p.parse_args()
     out = Path(a.out)
     source = out / "gemma3-270m-F32.gguf"
@@ -92,14 +94,16 @@ def main():
             quantize(source, path, kind)
         types = dict(Counter(t.tensor_type.name for t in gguf.GGUFReader(path).tensors))
         for backend in a.backends:
-            folder = out / f"{kind}-{backend}"
+            folder = out / (f"{kind}-{backend}" + ("-external" if a.external_weights else ""))
             start = time.perf_counter()  # a process apiece: its peak RSS is the export's
             subprocess.run([EDGELLM, "export", str(path), "--backend", backend, "-o", str(folder),
-                            "--no-verify", "--force", "--quiet", "--max-seq-len", "128"],
+                            "--no-verify", "--force", "--quiet", "--max-seq-len", "128",
+                            *(["--external-weights"] if a.external_weights else [])],
                            check=True, stdout=subprocess.DEVNULL)
             report = json.loads((folder / "report.json").read_text())
             row = {"file": path.name, "file_bytes": path.stat().st_size, "tensors": types,
-                   "backend": backend, "pte_bytes": report["pte_bytes"],
+                   "backend": backend, "external_weights": a.external_weights,
+                   "pte_bytes": report["pte_bytes"], "file_bytes_out": report["file_bytes"],
                    "ratio": round(report["pte_bytes"] / path.stat().st_size, 3),
                    "from_source": report.get("quantization", {}).get("from_source"),
                    "export_s": round(time.perf_counter() - start, 1),

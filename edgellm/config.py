@@ -87,6 +87,9 @@ class ExportConfig:
     memory_budget: str | None = option(None, "refuse, before exporting, a program whose weights "
                                        "and state would not fit this much memory (e.g. 4GB), "
                                        "saying what it would take", metavar="SIZE")
+    external_weights: bool = option(False, "keep the weights in foundation.ptd beside a "
+                                    "model.pte that holds none (xnnpack, portable); a tied "
+                                    "table and its head are stored there once")
     etrecord: bool = option(False, "also write etrecord.bin for ExecuTorch's devtools")
     verify: bool = option(True, "skip checking the program against the checkpoint after export",
                           flag="--no-verify")
@@ -188,7 +191,8 @@ def build_dataclass(cls, data: Mapping[str, Any], prefix: str, problems: list[st
 
 def from_dict(data: Mapping[str, Any]) -> ExportConfig:
     """Validate a config mapping (from YAML and overrides) into an ExportConfig."""
-    from .backends import BACKENDS, check_chain, kv_cache_problems, sink_problems
+    from .backends import (BACKENDS, check_chain, external_problems, kv_cache_problems,
+                           sink_problems)
     from .quantize.recipes import problems as recipe_problems
 
     if not isinstance(data, Mapping):
@@ -214,6 +218,7 @@ def from_dict(data: Mapping[str, Any]) -> ExportConfig:
         problems.extend(recipe_problems(cfg, chain, list(BACKENDS.values())))
         problems.extend(check_chain(cfg.backends))
         problems.extend(sink_problems(cfg, chain))
+        problems.extend(external_problems(cfg, chain))
         if cfg.kv_cache in KV_CACHES:
             problems.extend(kv_cache_problems(cfg.kv_cache, chain, list(BACKENDS.values())))
         for name in cfg.backends:
@@ -330,7 +335,8 @@ def source_recipes(cfg: ExportConfig) -> list[dict]:
     if not kinds:
         return []
     backend = get_backend(cfg.backends[0])
-    return [r for r in (file_recipe(kinds, backend), file_recipe(kinds, backend, bits=8)) if r]
+    return [r for r in (file_recipe(kinds, backend, external=cfg.external_weights),
+                        file_recipe(kinds, backend, bits=8, external=cfg.external_weights)) if r]
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

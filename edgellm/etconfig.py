@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from .errors import ConfigError
+from .layout import FOUNDATION
 
 SECTIONS = ("base", "model", "export", "quantization", "backend", "debug")
 NOT_YET = "edgellm does not support it yet"
@@ -93,6 +94,13 @@ def _field(name: str, value, out: dict, problems: list[str]) -> None:
     elif name == "model.use_attention_sink":  # '<sink_size>,<window_size>': the same window
         if value:
             out["attention_sink"] = value
+    elif name == "export.foundation_weights_file" and value is not None:
+        if str(value) in (FOUNDATION, f"{FOUNDATION}.ptd"):  # the same file, by its name
+            out["external_weights"] = True
+        else:
+            problems.append(f"{name}: {value!r} is not supported; edgellm writes the weights to "
+                            f"{FOUNDATION}.ptd beside model.pte, where its runtime finds them "
+                            f"({name}: {FOUNDATION}.ptd)")
     elif name == "base.metadata":
         _metadata(name, value, out, problems)
     elif name.startswith("quantization.") and value is not None:

@@ -168,6 +168,20 @@ class BranchOutputsInPlace:
         return sizes
 
 
+def tag_constants(gm: torch.fx.GraphModule, tag: str):
+    """Every placeholder of the edge program marked for `{tag}.ptd` in the field delegates read
+    (`delegate_constant_tag`: XNNPACK serializes a weight it takes into that file, not its
+    payload), after the decompositions (which drop placeholders' custom meta) and before
+    partitioning, whose subgraphs copy it. A delegate reads it only on constants; the program's
+    own constants go by ExecutorchBackendConfig's `external_constants`."""
+    from executorch.exir.pass_base import PassResult
+
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            node.meta.setdefault("custom", {})["delegate_constant_tag"] = tag
+    return PassResult(gm, True)
+
+
 class _Scaled(torch.nn.Module):
     """What an expert delegate keeps as its program (lower_experts): the expert's signature and
     output, `x * w` of shape (N, D), and no weights."""
@@ -311,8 +325,12 @@ def _export_edge(module, example: tuple, dims, partitioners: list, config, lower
 
 
 def lower(programs: dict[str, ExportedProgram], partitioners: list, constant_methods: dict,
-          etrecord: bool, quant_fusion: bool = False, dedupe: bool = False) -> Lowered:
-    """quant_fusion: rewrite torchao's dequantize + embedding left outside the delegates into
+          etrecord: bool, quant_fusion: bool = False, dedupe: bool = False,
+          external: str | None = None) -> Lowered:
+    """external: the data file (`{external}.ptd`) every weight goes to, the delegates' and the
+    program's own, instead of model.pte; the same bytes under two names (a tied table and its
+    head) are stored there once (ExecuTorch's NamedDataStore keeps a buffer per content).
+    quant_fusion: rewrite torchao's dequantize + embedding left outside the delegates into
     ExecuTorch's quantized embedding kernels (`embedding_byte` / `embedding_4bit`), as
     export_llm does; without it `to_executorch` finds no out variant for dequantize_affine.
     dedupe: ExecuTorch's CSEPass before partitioning, which merges the block sums that linears
@@ -336,7 +354,9 @@ def lower(programs: dict[str, ExportedProgram], partitioners: list, constant_met
             programs, partitioner=partitioners or None, constant_methods=constant_methods,
             # llama:: custom ops are not core ATen; ExecuTorch's own LLM export skips this check too
             compile_config=EdgeCompileConfig(_check_ir_validity=False),
-            transform_passes=[CSEPass()] if dedupe else None, generate_etrecord=etrecord)
+            transform_passes=([CSEPass()] if dedupe else []) + (
+                [lambda gm: tag_constants(gm, external)] if external else []) or None,
+            generate_etrecord=etrecord)
     figures = {name: delegation(edge.exported_program(name).graph_module) for name in programs}
     fates = preserved_report(preserved, ops_before, edge)
     for name in programs:  # a buffer a delegate took over is no longer the program's to write
@@ -351,6 +371,7 @@ def lower(programs: dict[str, ExportedProgram], partitioners: list, constant_met
     release_memory()
     program = edge.to_executorch(ExecutorchBackendConfig(
         do_quant_fusion_and_const_prop=quant_fusion,
+        external_constants=(lambda node: external) if external else False,
         sym_shape_eval_pass=ConstraintBasedSymShapeEvalPass(),
         memory_planning_pass=MemoryPlanningPass(memory_planning_algo=BranchOutputsInPlace(),
                                                 share_mutable_buffers=len(programs) > 1)))

@@ -21,6 +21,7 @@ from . import report as reports
 from .backends import plan_for
 from .config import ExportConfig, dump_yaml
 from .errors import InputError
+from .layout import FOUNDATION
 from .memory import long_run_collector, peak_rss_mb, release_memory
 from .progress import Stages
 
@@ -160,7 +161,8 @@ def export(cfg: ExportConfig, quiet: bool = False) -> dict:
             partitioners = plan.partitioners()  # imports the backends' toolchains
             lowered = lower(programs, partitioners, metadata(cfg, source, plan), cfg.etrecord,
                             quant_fusion=cfg.embedding_quantize is not None,
-                            dedupe=bool(done and done.linears_on_source_grid))
+                            dedupe=bool(done and done.linears_on_source_grid),
+                            external=FOUNDATION if cfg.external_weights else None)
             del programs
         with stages.stage("serialize"):
             files = write_outputs(tmp, cfg, source, lowered)
@@ -178,8 +180,7 @@ def export(cfg: ExportConfig, quiet: bool = False) -> dict:
         if any(b.inspect_delegates for b in plan.backends):
             with stages.stage("inspect"):
                 delegates = inspect_delegates(plan, tmp / "model.pte", lowered.states)
-        pte_bytes = (tmp / "model.pte").stat().st_size
-        rep = build_report(cfg, plan, source, lowered, stages, (files, pte_bytes))
+        rep = build_report(cfg, plan, source, lowered, stages, files, tmp)
         rep.update(eager.weights_read, delegates=delegates)
         rep["state"], rep["kv_cache"] = eager.state, {**eager.kv_cache, **settled}
         rep["patches"] = {**(done.patches if done else {}), **applied}
@@ -225,6 +226,11 @@ def write_outputs(folder: Path, cfg: ExportConfig, source, lowered) -> dict:
     with open(folder / "model.pte", "wb") as f:
         lowered.program.write_to_file(f)
     files = {"program": "model.pte", "config": "config.yaml"}
+    if cfg.external_weights:  # {tag}.ptd for each tag; lower() gave every weight one
+        lowered.program.write_tensor_data_to_file(str(folder))
+        if not (folder / f"{FOUNDATION}.ptd").is_file():
+            raise RuntimeError(f"external weights were asked but {FOUNDATION}.ptd was not written")
+        files["weights"] = f"{FOUNDATION}.ptd"
     # absolute paths: the file replays (and `edgellm verify` reads it) from any directory
     paths = {k: str(Path(v).resolve()) for k, v in (("model", source.origin),
              ("params", cfg.params), ("tokenizer", cfg.tokenizer)) if v is not None}
@@ -239,9 +245,12 @@ def write_outputs(folder: Path, cfg: ExportConfig, source, lowered) -> dict:
     return files
 
 
-def build_report(cfg, plan, source, lowered, stages: Stages, written: tuple) -> dict:
+def build_report(cfg, plan, source, lowered, stages: Stages, files: dict, folder: Path) -> dict:
+    """report.json's fields the export knows once its files are written: `pte_bytes` counts
+    every file the program needs (model.pte, and its data file), `file_bytes` each."""
     hf = source.hf_config
-    files, pte_bytes = written
+    sizes = {files[k]: (folder / files[k]).stat().st_size for k in ("program", "weights")
+             if k in files}
     methods = {name: {"delegation": figures} for name, figures in lowered.delegation.items()}
     return {
         "backends": list(cfg.backends),
@@ -254,6 +263,6 @@ def build_report(cfg, plan, source, lowered, stages: Stages, written: tuple) -> 
         "deprecation_warnings": len(lowered.deprecations),
         "deprecation_messages": lowered.deprecations,
         "python_deprecation_warnings": lowered.python_deprecations,
-        "files": files, "pte_bytes": pte_bytes,
+        "files": files, "pte_bytes": sum(sizes.values()), "file_bytes": sizes,
         "wall_s": stages.wall_s, "peak_rss_mb": peak_rss_mb(), "stages": stages.records,
     }

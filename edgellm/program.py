@@ -14,6 +14,7 @@ from typing import Callable, Iterator
 import torch
 
 from .errors import InputError
+from .layout import FOUNDATION
 from .memory import libc
 
 QUIET_NATIVE_LOGS = False  # set by the CLI: the runtime's C++ info lines go to /dev/null
@@ -65,14 +66,15 @@ class Program:
         if not self.path.is_file():
             raise InputError(f"Program {self.path} does not exist. Export one with "
                              "`edgellm export -o OUT` and pass OUT/model.pte.")
+        data = self.path.with_name(f"{FOUNDATION}.ptd")
+        self.data = data if data.is_file() else None
         try:
             with native_logs():
-                self.program = Runtime.get().load_program(str(self.path))
+                self.program = Runtime.get().load_program(
+                    str(self.path), data_path=str(self.data) if self.data else None)
                 self._forward = self.program.load_method("forward")
         except (RuntimeError, ValueError) as e:
-            raise InputError(f"Cannot load {self.path} with this machine's ExecuTorch runtime "
-                             f"({e}). Programs delegated to Core ML or Vulkan build on Linux "
-                             "but run only on their devices.") from None
+            raise InputError(self._unloadable(e)) from None
         names = self.program.method_names
         self.meta = {m: self._constant(m) for m in METADATA if m in names}
         self._prefill = self.chunk = None
@@ -80,6 +82,15 @@ class Program:
             with native_logs():
                 self._prefill = self.program.load_method("prefill")
             self.chunk = int(self._prefill.metadata.input_tensor_meta(0).sizes()[1])
+
+    def _unloadable(self, e: Exception) -> str:
+        why = f"Cannot load {self.path} with this machine's ExecuTorch runtime ({e})."
+        if self.data is not None:
+            return (f"{why} Its weights file {self.data} may be damaged or another program's: "
+                    "export both files again, together.")
+        return (f"{why} A program exported with --external-weights needs its {FOUNDATION}.ptd "
+                "beside it, and there is none; programs delegated to Core ML or Vulkan build on "
+                "Linux but run only on their devices.")
 
     def _constant(self, name: str):
         with native_logs():

@@ -73,6 +73,13 @@ def sink_problems(cfg, chain: list[Backend]) -> list[str]:
     return []
 
 
+def external_problems(cfg, chain: list[Backend]) -> list[str]:
+    """--external-weights on a backend whose delegates keep their weights in their payloads."""
+    return [f"external_weights on {b.name}: {b.external_weights}; drop --external-weights, or "
+            "export for xnnpack or portable" for b in chain
+            if cfg.external_weights and b.external_weights]
+
+
 def kv_cache_problems(dtype: str | None, chain: list[Backend], every: list[Backend]) -> list[str]:
     """A KV cache dtype the chain's first backend (which writes the model) has no kernels for."""
     first = chain[0] if chain else None

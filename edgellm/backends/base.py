@@ -44,6 +44,8 @@ class Backend:
     # Why it cannot take a mixture-of-experts model's quantized experts (ExecuTorch's
     # llama::quantized_moe_ffn, a CPU kernel beside the delegates) as the first backend, or None
     quantized_experts: str | None = None
+    # Why its delegates cannot put their weights in the data file of --external-weights, or None
+    external_weights: str | None = None
     # Chains: False for a backend that delegates nothing (it cannot be chained); why it must
     # come last when it must ("what <the backends after it> would see").
     delegates: bool = True

@@ -196,6 +196,8 @@ BACKEND = Backend(
         "in fp16), and ExecuTorch's llama::quantized_moe_ffn runs outside Core ML, which would "
         "cut the model into a delegate per layer; export without --quantize (float experts, "
         "gathered per token inside one Core ML delegate) or for xnnpack with 8da4w"),
+    external_weights=("its weights are inside the compiled Core ML model it delegates to, which "
+                      "ExecuTorch 1.5.1 cannot write into a data file"),
     patches=("coreml",),
     from_executorch=_from_executorch,
     inspect_delegates=_inspect,

@@ -15,6 +15,8 @@ def _partitioners(options) -> list:
 
 BACKEND = Backend(
     name="vulkan",
+    external_weights=("ExecuTorch 1.5.1's Vulkan delegate keeps its weights in its own payload "
+                      "(it reads no delegate_constant_tag)"),
     summary="Android GPUs through Vulkan; static shapes; builds here, runs on device",
     dynamic_shapes=False,
     runs_here=False,  # the Linux runtime has no such backend; programs run on device

@@ -103,7 +103,7 @@ def quantize(model, cfg, stored: dict | None = None,
                      embeddings_stored_as=todo.embeddings_stored_as)
     costs: dict = {}  # name -> (signal, noise) of what quantizing it cost (cost.py)
     kept = set()  # the linears, and "embedding", kept on the source's 4-bit grid
-    if todo.embedding is not None:
+    if todo.embedding is not None and not todo.table_from_head:
         saved, done.table_on_source_grid = _quantize_tables(model, todo, costs)
         done.bytes_saved += saved
         kept |= {"embedding"} if done.table_on_source_grid else set()
@@ -117,6 +117,8 @@ def quantize(model, cfg, stored: dict | None = None,
     done.linears_regridded = len(linears & set(todo.regrid))
     done.bytes_saved += sum(saved for _, saved in on_grids) + _quantize_linears(model, todo, costs)
     done.linears_quantized = len(todo.linears)
+    if todo.table_from_head:
+        _table_from_head(model, costs)
     done.from_source = _from_source(todo, kept | linears, costs)
     if todo.experts:
         # `--experts chosen` without verification, which would run them eagerly: each block's
@@ -187,6 +189,23 @@ def _quantize_tables(model, todo: Plan, costs: dict) -> tuple[int, bool]:
     costs["embedding"] = cost(before, module)
     drop_checkpoint_pages()  # the float table's pages and heap, before the linears
     return saved, False
+
+
+def _table_from_head(model, costs: dict) -> None:
+    """The table as its tied head's 8-bit codes and scales, weight-only (Plan.table_from_head):
+    the same bytes, which a data file stores once. A copy: torch.export lifts them as the two
+    parameters they are, and the data file's NamedDataStore merges them by content."""
+    from torchao.quantization import IntxUnpackedToInt8Tensor
+
+    module = model.get_submodule(embedding_name(model))
+    read_pending(module)
+    before = sample(module.weight)
+    head = model.lm_head.weight
+    module.weight = nn.Parameter(IntxUnpackedToInt8Tensor(
+        head.qdata.clone(), head.scale.clone(), head.zero_point.clone(), head.target_dtype,
+        head.block_size, head.dtype, activation_quantization=None), requires_grad=False)
+    costs["embedding"] = cost(before, module)
+    drop_checkpoint_pages()
 
 
 def _quantize_linears(model, todo: Plan, costs: dict) -> int:

@@ -43,6 +43,9 @@ class Plan:
     embeddings: str | None = None  # the table recipe as given, or as the source made it
     embeddings_stored_as: str | None = None  # the source's type that kept the table at 8 bits
     head_in_table: bool = False  # the head is the table: decode reads all of it
+    # the table takes its tied head's 8-bit codes, so that a data file (--external-weights),
+    # which keeps one buffer per content, stores them once
+    table_from_head: bool = False
     experts: tuple | None = None  # (bits, group, "op", "chosen" or "every") of sparse blocks
     source_types: dict = field(default_factory=dict)  # linear name (or "embedding") -> type
 
@@ -161,6 +164,8 @@ def plan(model, cfg, stored: dict | None = None, experts_refused: str | None = N
         elif name in (mix or ()):
             out.more_bits.append(name)
     out.at_8_bits += [name for _, name in sorted(higher, key=lambda h: h[0])]  # largest first
+    out.table_from_head = (getattr(cfg, "external_weights", False) and out.embedding == (8, 0)
+                           and out.linears.get("lm_head") == (8, 0) and _tied(model))
     out.experts = _plan_experts(model, recipe.bits, out.group, experts_refused,
                                 _formulation(getattr(cfg, "experts", "auto")))
     if not out.linears:
@@ -168,6 +173,15 @@ def plan(model, cfg, stored: dict | None = None, experts_refused: str | None = N
                          f"{out.group}; choose a group size that divides the hidden size, or 0 "
                          "for per-channel")
     return out
+
+
+def _tied(model) -> bool:
+    """Whether the model's head is its table under a Parameter of its own (separate_tied_head)."""
+    from ..architectures.layers import storage
+
+    head, table = getattr(model, "lm_head", None), embedding_name(model)
+    return head is not None and table is not None and storage(head.weight) == storage(
+        model.get_submodule(table).weight)
 
 
 def _plan_tables(out: Plan, model, cfg, recipe, types: dict, four_bit: bool, mix: bool) -> None:

@@ -168,7 +168,7 @@ def stored_bits(kind: str | None) -> int | None:
     return int(found.group()) if found else None
 
 
-def file_recipe(kinds: dict, backend, bits: int | None = None) -> dict:
+def file_recipe(kinds: dict, backend, bits: int | None = None, external: bool = False) -> dict:
     """The recipe that keeps a quantized file's precision on `backend` (the chain's first), as
     config fields: `kinds` maps each weight of the file to (storage type, values), the table
     under "embedding". Linears mostly below SPARED_BITS (by values) take the backend's 4-bit
@@ -176,7 +176,8 @@ def file_recipe(kinds: dict, backend, bits: int | None = None) -> dict:
     plan.py), else its 8-bit one, per channel; where the backend has quantized tables, the table
     4 bits beside 4-bit linears (except a table the file spared, at 6 bits or more, that the
     backend does not also write as a separate head: it keeps 8) and 8 beside 8-bit ones; a file
-    of F16 or BF16 linears its dtype. `bits` forces the linears' bits
+    of F16 or BF16 linears its dtype. `external` (--external-weights): a tied table and its
+    separate head are one buffer in the data file, so the table keeps 8 bits. `bits` forces the linears' bits
     (8: the fallback where a backend's options refuse its 4-bit recipe). {} for a float file,
     or where the backend has no recipe for it (a float program, as before)."""
     linears = {n: k for n, k in kinds.items() if n != "embedding"}
@@ -199,8 +200,9 @@ def file_recipe(kinds: dict, backend, bits: int | None = None) -> dict:
     table = kinds.get("embedding")
     if backend.quantized_embeddings and table and stored_bits(table[0]) not in (None, 32):
         # a tied table that the backend also writes as a separate head is stored twice: the
-        # lookups take 4 bits and the head keeps the file's 8 (plan.py)
-        twice = "output.weight" not in kinds and backend.writing.get("separate_head")
+        # lookups take 4 bits and the head keeps the file's 8 (plan.py); in a data file, once
+        twice = ("output.weight" not in kinds and backend.writing.get("separate_head")
+                 and not external)
         low = want == 4 and (stored_bits(table[0]) < SPARED_BITS or twice)
         out["embedding_quantize"] = "4,32" if low else "8"
     return out

@@ -8,7 +8,7 @@ import json
 from collections import Counter
 from pathlib import Path
 
-from .pages import export_page
+from .pages import export_page, program_size
 
 NOT_COMPUTE = ("getitem",)  # get_delegation_info lists no placeholders or outputs
 
@@ -140,7 +140,7 @@ def markdown(r: dict) -> str:
              f"- backends: {', '.join(r['backends'])}",
              f"- architecture: {r['model']['model_type']}, {r['model']['n_layers']} layers, "
              f"vocab {r['model']['vocab_size']}, dtype {r['dtype']}",
-             f"- program: {r['pte_bytes'] / 1e6:.1f} MB, max_seq_len {r['max_seq_len']}, "
+             f"- program: {program_size(r)}, max_seq_len {r['max_seq_len']}, "
              f"max_context_len {r['max_context_len']}, dynamic shapes {r['dynamic_shapes']}",
              f"- export: {r['wall_s']:.1f} s, peak RSS {r['peak_rss_mb']:.0f} MB",
              *([f"- state between calls (KV caches, ring buffers, conv and recurrent states): "
@@ -202,7 +202,7 @@ def verify_summary(result: dict) -> str:
 
 def summary(r: dict) -> str:
     d = r["methods"]["forward"]["delegation"]
-    return (f"{','.join(r['backends'])}: {r['pte_bytes'] / 1e6:.1f} MB, {d['subgraphs']} "
+    return (f"{','.join(r['backends'])}: {program_size(r)}, {d['subgraphs']} "
             f"delegated subgraphs, {d['delegated_nodes']} delegated / "
             f"{d['non_delegated_compute_nodes']} non-delegated compute nodes, "
             f"{r['deprecation_warnings']} deprecation warnings, {r['wall_s']:.1f} s, "

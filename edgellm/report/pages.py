@@ -169,12 +169,20 @@ def export_page(r: dict, verify_text: str = "", hidden_ops=("getitem",)) -> str:
     return page(f"edgellm export: {r['model']['origin']}", body, charts)
 
 
+def program_size(r: dict) -> str:
+    """'93.3 MB', or with its weights in a data file, '93.3 MB (model.pte 0.4 MB, foundation.ptd
+    92.8 MB)': pte_bytes counts every file the program needs (file_bytes)."""
+    parts = r.get("file_bytes") or {}
+    split = f" ({', '.join(f'{n} {b / 1e6:.1f} MB' for n, b in parts.items())})"
+    return f"{r['pte_bytes'] / 1e6:.1f} MB" + (split if len(parts) > 1 else "")
+
+
 def summary_list(r: dict) -> str:
     model = r["model"]
     items = [f"backends: {', '.join(r['backends'])}",
              f"architecture: {model['model_type']}, {model['n_layers']} layers, vocab "
              f"{model['vocab_size']}, dtype {r['dtype']}",
-             f"program: {r['pte_bytes'] / 1e6:.1f} MB, max_seq_len {r['max_seq_len']}, "
+             f"program: {program_size(r)}, max_seq_len {r['max_seq_len']}, "
              f"max_context_len {r['max_context_len']}",
              f"export: {r['wall_s']:.1f} s, peak RSS {r['peak_rss_mb']:.0f} MB"]
     quant = r.get("quantization")
