@@ -198,7 +198,7 @@ def _table_from_head(model, costs: dict) -> None:
     from torchao.quantization import IntxUnpackedToInt8Tensor
 
     module = model.get_submodule(embedding_name(model))
-    read_pending(module)
+    read_pending(module, unless_by_rows=True)  # a GGUF's table: sampled by rows, never read
     before = sample(module.weight)
     head = model.lm_head.weight
     module.weight = nn.Parameter(IntxUnpackedToInt8Tensor(

@@ -176,11 +176,13 @@ def plan(model, cfg, stored: dict | None = None, experts_refused: str | None = N
 
 
 def _tied(model) -> bool:
-    """Whether the model's head is its table under a Parameter of its own (separate_tied_head)."""
+    """Whether the model's head is its one table under a Parameter of its own
+    (separate_tied_head)."""
     from ..architectures.layers import storage
 
     head, table = getattr(model, "lm_head", None), embedding_name(model)
-    return head is not None and table is not None and storage(head.weight) == storage(
+    tables = sum(isinstance(m, nn.Embedding) for m in model.modules())
+    return head is not None and tables == 1 and storage(head.weight) == storage(
         model.get_submodule(table).weight)
 
 
