@@ -125,3 +125,21 @@ def test_a_tied_table_takes_its_head_s_codes_only_for_a_data_file():
     assert not plan(model, cfg).table_from_head
     assert plan(model, ExportConfig(**SHARED, external_weights=True)).table_from_head
     assert torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
+
+
+def test_a_one_file_program_holding_a_tied_table_twice_says_what_would_store_it_once():
+    from types import SimpleNamespace
+
+    from edgellm.backends import get_backend
+    from edgellm.config import ExportConfig
+    from edgellm.pipeline import stored_twice
+
+    def twice(backend, tied=True, **options):
+        plan = SimpleNamespace(backends=[get_backend(backend)])
+        source = SimpleNamespace(hf_config=SimpleNamespace(tie_word_embeddings=tied))
+        return stored_twice(ExportConfig(**options), plan, source)
+
+    assert twice("xnnpack")
+    assert not twice("xnnpack", external_weights=True)
+    assert not twice("xnnpack", tied=False)
+    assert not twice("coreml") and not twice("portable")  # the head is the table there
