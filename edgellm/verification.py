@@ -37,11 +37,12 @@ import torch
 
 from .architectures.cache import float_caches
 from .errors import InputError, VerificationError
+from .numerics import compare
 
-# (minimum SQNR dB, minimum top-1 agreement) per what is compared; a float check's are lowered
-# to what the model's own rounding sensitivity allows (`rounding_limits`), a quantized program's
-# SQNR follows its model's sensitivity to its activations' rounding either way
-# (`activation_limits`)
+# (minimum SQNR dB, minimum top-1 agreement) per what is compared; an fp32 check's are lowered
+# to what the model's own rounding sensitivity allows (`rounding_limits`), an fp16 or bf16
+# program's SQNR follows what rounding to its dtype costs the model either way (`dtype_limits`),
+# a quantized program's what its activations' rounding costs it, either way (`activation_limits`)
 THRESHOLDS = {"fp32": (60.0, 1.0), "fp16": (30.0, 0.9), "bf16": (20.0, 0.8),
               "quantized": (20.0, 0.8)}
 # each float dtype's unit roundoff: a correct kernel rounds each output once to the dtype
@@ -126,8 +127,6 @@ def measure(level: str, actual: list, expected: list, limits: tuple, note: str =
             text_last: bool = False) -> Check:
     """`actual` against `expected` (lists of (steps, vocab) logits: the prompts', and with
     `text_last` the shipped text's last) within `limits` (minimum SQNR, minimum top-1)."""
-    from .numerics import compare
-
     c = compare(torch.cat(actual), torch.cat(expected))
     divergence = None
     for i, (a, e) in enumerate(zip(actual, expected)):
@@ -152,8 +151,6 @@ def rounding_limits(model, collect, clean: list, dtype: str) -> tuple[tuple, str
     below it and flip twice the argmaxes it flips. Never above THRESHOLDS[dtype]."""
     from torch import nn
 
-    from .numerics import compare
-
     generator, unit = torch.Generator().manual_seed(0), UNIT_ROUNDOFF[dtype]
 
     def rounded(module, inputs, out):
@@ -169,6 +166,18 @@ def rounding_limits(model, collect, clean: list, dtype: str) -> tuple[tuple, str
             hook.remove()
     return sensitivity_limits(compare(torch.cat(noisy), torch.cat(clean)), THRESHOLDS[dtype],
                               ROUNDING_MARGIN_DB, f"{dtype} rounding", "every linear off by it")
+
+
+def dtype_limits(c, dtype: str) -> tuple[tuple, str]:
+    """The (minimum SQNR, minimum top-1) a correct fp16 or bf16 program meets against its model
+    run eagerly in `dtype`, and a note. `c` (numerics.compare of that eager model's logits
+    against its fp32 ones) is what rounding every op to `dtype` costs this model; a correct
+    program rounds as often, its own way (its kernels fuse, order and accumulate otherwise), so
+    it lands within ROUNDING_MARGIN_DB below `c` and flips at most twice its argmaxes. The SQNR
+    bound goes both ways, up to fp32's (a fixed 20 dB passed a bf16 program with one value
+    projection 10% off, at 26.9 dB: BENCHMARKS.md), the top-1 one never above THRESHOLDS[dtype]."""
+    return sensitivity_limits(c, THRESHOLDS[dtype], ROUNDING_MARGIN_DB, f"{dtype} rounding",
+                              f"the model in {dtype}", ceiling_db=THRESHOLDS["fp32"][0])
 
 
 def sensitivity_limits(c, cap: tuple, margin_db: float, to: str, how: str,
@@ -196,8 +205,6 @@ def activation_limits(model, collect, clean: list) -> tuple[tuple, str]:
     its program as close: at 20 dB, one value projection 10% off passed) up to fp32's, the
     top-1 one never above THRESHOLDS["quantized"]'s; a model whose linears round no activations
     (weight-only recipes) keeps those."""
-    from .numerics import compare
-
     weights = [m.weight for m in model.modules()
                if getattr(getattr(m, "weight", None), "activation_quantization", None)]
     cap = THRESHOLDS["quantized"]
@@ -283,7 +290,7 @@ class Verification:
         self.stand_in_needed = not all(b.runs_here for b in plan.backends)
         self.source = self.text = self.cases = self.ref = self.ref_text = None
         self.checks, self.expected, self.candidate, self.result = [], None, None, None
-        self.expected_text = self.cache_rows = None
+        self.expected_text = self.cache_rows = self.fp32_rows = None
 
     def take(self, stage: str, product) -> None:
         """A stage's product, as it is made (by eager.eager_model and the export job)."""
@@ -323,16 +330,19 @@ class Verification:
         if cfg.dtype == "fp32":
             with float_caches(model):  # the rewrite's math; an int8 cache is a recipe
                 actual = self.collect_eager(model)
-                limits = self._rounding(model, actual)
+                limits = rounding_limits(model, self.collect_eager, actual, "fp32")
         else:
             opts = self.plan.model_options(cfg, source.stored_types)
             fp32 = build_model(source.hf_config, source.state_dict, opts, torch.float32)
             with float_caches(fp32):
                 actual = self.collect_eager(fp32)
-                limits = self._rounding(fp32, actual)
+                limits = rounding_limits(fp32, self.collect_eager, actual, "fp32")
             del fp32
             release_memory()
-        self.checks = [measure("rewrite", actual, self.ref, *limits["fp32"])]
+            self.fp32_rows = actual  # what rounding to the program's dtype costs (_expect)
+        if not self.quantized and cfg.dtype == "fp32":  # the program is the rewrite
+            self.limits, self.limits_note = limits
+        self.checks = [measure("rewrite", actual, self.ref, *limits)]
         if cfg.kv_cache:  # the cache's own cost, on the model before any weight recipe
             text = [([], self.text)] if self.text else None
             with float_caches(model):
@@ -345,22 +355,16 @@ class Verification:
                 self._expect(model)
         self.source = None
 
-    def _rounding(self, model, clean: list) -> dict:
-        """{dtype: (limits, note)} for the rewrite (fp32) and, unquantized, the program (its
-        dtype), from `model` (fp32) and its `clean` logits (rounding_limits)."""
-        dtypes = {"fp32"} | (set() if self.quantized else {self.cfg.dtype})
-        out = {d: rounding_limits(model, self.collect_eager, clean, d) for d in sorted(dtypes)}
-        if not self.quantized:
-            self.limits, self.limits_note = out[self.cfg.dtype]
-        return out
-
     def _expect(self, model) -> None:
         """What the program must match: the model as it is built and quantized, on the prompts
         and, quantized, along the text too (a rounding flip moves one row's SQNR by 10 dB either
         way: the prompts' 16 rows alone would decide by chance), within the bounds its
         sensitivity to its activations' rounding allows (activation_limits)."""
         self.expected = self.collect_eager(model)
-        if not self.quantized:
+        if not self.quantized:  # a float program in fp16 or bf16: the model in it
+            self.limits, self.limits_note = dtype_limits(
+                compare(torch.cat(self.expected), torch.cat(self.fp32_rows)), self.cfg.dtype)
+            self.fp32_rows = None
             return
         cases = self.cases + [([], self.text)] * bool(self.text)
         if self.text:

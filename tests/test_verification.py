@@ -242,6 +242,35 @@ def test_float_bounds_follow_the_model_s_sensitivity_to_rounding():
         assert wrong.sqnr_db < min_sqnr
 
 
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_a_half_precision_program_is_held_to_what_its_dtype_costs_the_model(exported, tmp_path,
+                                                                            dtype):
+    """An fp16 or bf16 program of a sliding-window model (its ring mask goes into
+    llama::custom_sdpa, whose kernel takes an fp32 mask only) runs and passes, on bounds from
+    what the model in its dtype loses against fp32, above the fixed floor; the same program
+    claimed from weights with one value projection 10% off fails, where the fixed floor (20 dB
+    for bf16) passed it."""
+    from safetensors.torch import load_file, save_file
+
+    from edgellm.verification import THRESHOLDS
+
+    folder, report = exported("mistral", dtype=dtype, etrecord=False)
+    right = next(c for c in report["verify"]["checks"] if c["level"] == "program")
+    assert report["verify"]["passed"] and right["min_sqnr_db"] > THRESHOLDS[dtype][0]
+    model = yaml.safe_load((folder / "config.yaml").read_text())["model"]
+    shutil.copytree(model, tmp_path / "perturbed")
+    weights = load_file(tmp_path / "perturbed" / "model.safetensors")
+    weights["model.layers.1.self_attn.v_proj.weight"] *= 1.1
+    save_file(weights, tmp_path / "perturbed" / "model.safetensors", metadata={"format": "pt"})
+    shutil.copytree(folder, tmp_path / "x")
+    config = yaml.safe_load((tmp_path / "x" / "config.yaml").read_text())
+    config["model"] = str(tmp_path / "perturbed")
+    (tmp_path / "x" / "config.yaml").write_text(yaml.safe_dump(config))
+    wrong = next(c for c in edgellm.verify(tmp_path / "x")["checks"] if c["level"] == "program")
+    assert not wrong["passed"] and wrong["sqnr_db"] < wrong["min_sqnr_db"]
+    assert dtype == "fp16" or wrong["sqnr_db"] > THRESHOLDS[dtype][0]  # bf16's floor passed it
+
+
 def test_the_first_divergence_names_the_prompt_or_the_text_it_lies_in():
     """A check over the prompts and the shipped text says where the first greedy token differs:
     in which prompt, or in the text (its rows come last), and at which step."""

@@ -158,7 +158,9 @@ class KVCache(nn.Module):
         sinks = self._sinks(k, step)
         if self.mode == "custom_ops":
             index = slots[None, :]
-            if mask.dtype == torch.bfloat16:  # the op's checks take an fp32 or fp16 mask only
+            # the runtime's kernel takes an fp32 mask only (op_sdpa.cpp), whatever q's dtype;
+            # eager's takes fp16 too, so only a program would fail
+            if mask.dtype != torch.float32:
                 mask = mask.float()
             torch.ops.llama.update_cache_with_indices(k, self.k_cache, 0, index)
             if sinks is not None:
