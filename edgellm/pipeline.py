@@ -165,22 +165,7 @@ def export(cfg: ExportConfig, quiet: bool = False) -> dict:
                             external=FOUNDATION if cfg.external_weights else None)
             del programs
         with stages.stage("serialize"):
-            files = write_outputs(tmp, cfg, source, lowered)
-            if "tokenizer" not in files and not quiet:
-                print(f"[edgellm] serialize: no tokenizer ships beside model.pte ({source.origin} "
-                      "has none); ExecuTorch's LLM runner and `edgellm generate` need one: add "
-                      "tokenizer=PATH (a tokenizer.json or its folder)", file=sys.stderr,
-                      flush=True)
-            if stored_twice(cfg, plan, source) and not quiet:
-                print("[edgellm] serialize: model.pte holds the tied table twice (the lookups' "
-                      f"and {plan.backends[0].name}'s head); --external-weights stores it once, "
-                      f"in {FOUNDATION}.ptd beside model.pte (the embedded SmolLM2: 111.0 MB "
-                      "-> 93.3 MB)", file=sys.stderr, flush=True)
-            del lowered.program  # written: what follows reads the file and needs the memory
-            release_memory()
-            for backend in plan.backends:
-                if backend.finish_program:
-                    backend.finish_program(tmp / "model.pte")
+            files = serialize(tmp, cfg, plan, source, lowered, quiet)
         delegates = {}
         if any(b.inspect_delegates for b in plan.backends):
             with stages.stage("inspect"):
@@ -205,6 +190,28 @@ def export(cfg: ExportConfig, quiet: bool = False) -> dict:
 
         enforce(rep["verify"], f"The program in {dest}")
     return rep
+
+
+def serialize(tmp: Path, cfg: ExportConfig, plan, source, lowered, quiet: bool) -> dict:
+    """The export's files written into `tmp` ({kind: name}, write_outputs), what they lack said on
+    stderr, the lowered program let go (what follows reads the file and needs the memory), and
+    each backend's finishing step on model.pte."""
+    files = write_outputs(tmp, cfg, source, lowered)
+    if "tokenizer" not in files and not quiet:
+        print(f"[edgellm] serialize: no tokenizer ships beside model.pte ({source.origin} has "
+              "none); ExecuTorch's LLM runner and `edgellm generate` need one: add "
+              "tokenizer=PATH (a tokenizer.json or its folder)", file=sys.stderr, flush=True)
+    if stored_twice(cfg, plan, source) and not quiet:
+        print("[edgellm] serialize: model.pte holds the tied table twice (the lookups' and "
+              f"{plan.backends[0].name}'s head); --external-weights stores it once, in "
+              f"{FOUNDATION}.ptd beside model.pte (the embedded SmolLM2: 111.0 MB -> 93.3 MB)",
+              file=sys.stderr, flush=True)
+    del lowered.program
+    release_memory()
+    for backend in plan.backends:
+        if backend.finish_program:
+            backend.finish_program(tmp / "model.pte")
+    return files
 
 
 def stored_twice(cfg: ExportConfig, plan, source) -> bool:

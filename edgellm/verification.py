@@ -45,10 +45,9 @@ from .numerics import compare
 # a quantized program's what its activations' rounding costs it, either way (`activation_limits`)
 THRESHOLDS = {"fp32": (60.0, 1.0), "fp16": (30.0, 0.9), "bf16": (20.0, 0.8),
               "quantized": (20.0, 0.8)}
-# each float dtype's unit roundoff: a correct kernel rounds each output once to the dtype
-# (accumulating in a wider type, as XNNPACK's fp16 kernels do, or rounding as often either way)
-UNIT_ROUNDOFF = {"fp32": 2.0 ** -24, "fp16": 2.0 ** -11, "bf16": 2.0 ** -8}
-# how far below the model's rounding sensitivity a correct program may land
+# fp32's unit roundoff: a correct kernel rounds each output once to it
+FP32_UNIT_ROUNDOFF = 2.0 ** -24
+# how far below the model's sensitivity to rounding a correct program may land
 ROUNDING_MARGIN_DB = 10.0
 # how far below the model's sensitivity to its activations' rounding a correct quantized program
 # may land: its kernels round each activation once more, their own way (twice the error power,
@@ -142,16 +141,17 @@ def measure(level: str, actual: list, expected: list, limits: tuple, note: str =
                  c.argmax_agree, divergence, note)
 
 
-def rounding_limits(model, collect, clean: list, dtype: str) -> tuple[tuple, str]:
-    """The (minimum SQNR, minimum top-1) a correct `dtype` program of `model` meets, and a note:
+def rounding_limits(model, collect, clean: list) -> tuple[tuple, str]:
+    """The (minimum SQNR, minimum top-1) a correct fp32 program of `model` meets, and a note:
     `model`'s logits (`collect(model)`) with every linear's output off by the rounding a correct
-    `dtype` kernel makes (relative, one unit roundoff, random, seeded) against
-    its `clean` logits measure how much this model's own scale (large activations, outlier
-    channels, depth) amplifies that rounding; a correct program may land ROUNDING_MARGIN_DB
-    below it and flip twice the argmaxes it flips. Never above THRESHOLDS[dtype]."""
+    fp32 kernel makes (relative, one unit roundoff, random, seeded) against its `clean` logits
+    measure how much this model's own scale (large activations, outlier channels, depth)
+    amplifies that rounding; a correct program may land ROUNDING_MARGIN_DB below it and flip
+    twice the argmaxes it flips. Never above THRESHOLDS["fp32"]. (Half-precision programs round
+    weights, norms and every op, more than this models: `dtype_limits`.)"""
     from torch import nn
 
-    generator, unit = torch.Generator().manual_seed(0), UNIT_ROUNDOFF[dtype]
+    generator, unit = torch.Generator().manual_seed(0), FP32_UNIT_ROUNDOFF
 
     def rounded(module, inputs, out):
         noise = torch.randn(out.shape, generator=generator).to(out.dtype)
@@ -164,8 +164,8 @@ def rounding_limits(model, collect, clean: list, dtype: str) -> tuple[tuple, str
     finally:
         for hook in hooks:
             hook.remove()
-    return sensitivity_limits(compare(torch.cat(noisy), torch.cat(clean)), THRESHOLDS[dtype],
-                              ROUNDING_MARGIN_DB, f"{dtype} rounding", "every linear off by it")
+    return sensitivity_limits(compare(torch.cat(noisy), torch.cat(clean)), THRESHOLDS["fp32"],
+                              ROUNDING_MARGIN_DB, "fp32 rounding", "every linear off by it")
 
 
 def dtype_limits(c, dtype: str) -> tuple[tuple, str]:
@@ -330,13 +330,13 @@ class Verification:
         if cfg.dtype == "fp32":
             with float_caches(model):  # the rewrite's math; an int8 cache is a recipe
                 actual = self.collect_eager(model)
-                limits = rounding_limits(model, self.collect_eager, actual, "fp32")
+                limits = rounding_limits(model, self.collect_eager, actual)
         else:
             opts = self.plan.model_options(cfg, source.stored_types)
             fp32 = build_model(source.hf_config, source.state_dict, opts, torch.float32)
             with float_caches(fp32):
                 actual = self.collect_eager(fp32)
-                limits = rounding_limits(fp32, self.collect_eager, actual, "fp32")
+                limits = rounding_limits(fp32, self.collect_eager, actual)
             del fp32
             release_memory()
             self.fp32_rows = actual  # what rounding to the program's dtype costs (_expect)

@@ -227,12 +227,12 @@ def test_float_bounds_follow_the_model_s_sensitivity_to_rounding():
     with torch.no_grad():
         calm = model(0.0)
         clean = [calm(x) for x in inputs]
-        assert rounding_limits(calm, lambda m: [m(x) for x in inputs], clean, "fp32") == (
+        assert rounding_limits(calm, lambda m: [m(x) for x in inputs], clean) == (
             THRESHOLDS["fp32"], "")
         loud = model(1e4)
         clean = [loud(x) for x in inputs]
         (min_sqnr, min_top1), note = rounding_limits(loud, lambda m: [m(x) for x in inputs],
-                                                      clean, "fp32")
+                                                      clean)
         assert min_sqnr < THRESHOLDS["fp32"][0] and "sensitivity to fp32 rounding" in note
         correct = compare(torch.cat([reordered(loud, x) for x in inputs]), torch.cat(clean))
         assert min_sqnr <= correct.sqnr_db < THRESHOLDS["fp32"][0]
